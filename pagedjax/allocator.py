@@ -1,0 +1,69 @@
+"""Host-side block allocator: free list and per-block reference counts.
+
+Lives in plain Python between jitted steps; it never touches the device. Block 0 (the null
+block, see pool.py) is reserved and never handed out.
+"""
+import numbers
+from typing import Iterable, List
+
+from pagedjax.pool import NULL_BLOCK
+
+
+class AllocationError(RuntimeError):
+  """Raised when the pool has too few free blocks for a request."""
+
+
+class BlockAllocator:
+
+  def __init__(self, num_blocks: int):
+    if num_blocks < 2:
+      raise ValueError(f'num_blocks={num_blocks}: need at least 2 (block 0 is the null block)')
+    self.num_blocks = num_blocks
+    # Pop from the end: low ids are handed out first, which keeps tests readable.
+    self._free: List[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
+    self._ref_counts = [0] * num_blocks
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    return self.num_blocks - 1 - len(self._free)
+
+  def can_allocate(self, n: int) -> bool:
+    return n <= len(self._free)
+
+  def allocate(self, n: int = 1) -> List[int]:
+    if n > len(self._free):
+      raise AllocationError(f'asked for {n} blocks, only {len(self._free)} free')
+    blocks = [self._free.pop() for _ in range(n)]
+    for b in blocks:
+      self._ref_counts[b] = 1
+    return blocks
+
+  def ref_count(self, block: int) -> int:
+    self._check(block)
+    return self._ref_counts[block]
+
+  def share(self, block: int) -> None:
+    """One more holder of an allocated block (forks, prefix sharing)."""
+    self._check(block)
+    if self._ref_counts[block] == 0:
+      raise ValueError(f'block {block} is free and cannot be shared')
+    self._ref_counts[block] += 1
+
+  def free(self, blocks: Iterable[int]) -> None:
+    """Drop one reference to each block; a block with no holders left returns to the free list."""
+    for b in blocks:
+      self._check(b)
+      if self._ref_counts[b] == 0:
+        raise ValueError(f'double free of block {b}')
+      self._ref_counts[b] -= 1
+      if self._ref_counts[b] == 0:
+        self._free.append(b)
+
+  def _check(self, block: int) -> None:
+    if not isinstance(block, numbers.Integral) or not 0 < block < self.num_blocks:
+      raise ValueError(f'block id {block!r} out of range: allocatable ids are 1..'
+                       f'{self.num_blocks - 1} (0 is the null block)')

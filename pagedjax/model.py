@@ -1,0 +1,182 @@
+"""A Llama-family decoder in Flax: RMSNorm, RoPE, SwiGLU, MHA/GQA/MQA, tied or untied embeddings.
+
+The layers are stacked with `nn.scan` (one compiled layer body, fast compiles for deep models),
+so every parameter under `layers` has a leading [num_layers] axis. Attention either reads and
+writes the paged KV pool (`pool` and `batch` given) or, with no cache at all, attends causally
+within the tokens passed (the dense oracle the tests compare paging against).
+
+Params tree (kernels are [in, out]):
+  embed/embedding [V, D]; final_norm/scale [D]; lm_head/kernel [D, V] (untied only)
+  layers/attn_norm/scale [L, D]; layers/mlp_norm/scale [L, D]
+  layers/attn/{q_proj [L, D, Hq*Dh], k_proj [L, D, Hkv*Dh], v_proj [L, D, Hkv*Dh],
+               o_proj [L, Hq*Dh, D]}/kernel   (+ q/k/v_proj/bias [L, H*Dh] when qkv_bias)
+  layers/mlp/{gate_proj [L, D, F], up_proj [L, D, F], down_proj [L, F, D]}/kernel
+RoPE uses the Hugging Face "rotate half" layout (first half of each head paired with the second).
+"""
+import dataclasses
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kernels import paged_attention
+from pagedjax import pool as pool_lib
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  max_seq_len: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
+  dtype: str = 'float32'  # compute dtype; params stay float32
+
+  @property
+  def kv_bytes_per_token(self) -> int:
+    """K and V of one token over all layers, at the compute dtype."""
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(
+        DTYPES[self.dtype]).itemsize
+
+
+def rope(x, positions, theta):
+  """x [B, T, H, Dh], positions [B, T] -> x rotated by its absolute position."""
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def dense_causal_attention(q, k, v):
+  """No-cache attention within the chunk: q [B, T, Hq, Dh], k/v [B, T, Hkv, Dh]."""
+  batch, length, num_heads, head_dim = q.shape
+  group = num_heads // k.shape[2]
+  qg = q.astype(jnp.float32).reshape(batch, length, k.shape[2], group, head_dim)
+  scores = jnp.einsum('btkgd,bskd->bkgts', qg, k.astype(jnp.float32)) * head_dim ** -0.5
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  scores = jnp.where(causal, scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs, v.astype(jnp.float32))
+  return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  attention_impl: str
+
+  @nn.compact
+  def __call__(self, x, positions, pool, batch, layer):
+    cfg = self.cfg
+    dtype = DTYPES[cfg.dtype]
+    dense = lambda n, name, bias=False: nn.Dense(n, use_bias=bias, dtype=dtype, name=name)
+    b, t, _ = x.shape
+    q = dense(cfg.num_heads * cfg.head_dim, 'q_proj', cfg.qkv_bias)(x)
+    k = dense(cfg.num_kv_heads * cfg.head_dim, 'k_proj', cfg.qkv_bias)(x)
+    v = dense(cfg.num_kv_heads * cfg.head_dim, 'v_proj', cfg.qkv_bias)(x)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    if pool is None:
+      out = dense_causal_attention(q, k, v)
+    else:
+      pool = pool_lib.write_kv(pool, layer, k, v, batch.slot_mapping)
+      out = paged_attention(q, pool.k[layer], pool.v[layer], batch.block_tables,
+                            batch.context_lens, batch.q_positions, impl=self.attention_impl)
+    out = dense(cfg.d_model, 'o_proj')(out.reshape(b, t, -1))
+    return out, pool
+
+
+class Mlp(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    dtype = DTYPES[self.cfg.dtype]
+    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=dtype, name=name)
+    hidden = nn.silu(dense(self.cfg.ffn_dim, 'gate_proj')(x)) * dense(self.cfg.ffn_dim,
+                                                                        'up_proj')(x)
+    return dense(self.cfg.d_model, 'down_proj')(hidden)
+
+
+class DecoderLayer(nn.Module):
+  cfg: ModelConfig
+  attention_impl: str
+
+  @nn.compact
+  def __call__(self, carry, positions, batch):
+    x, pool, layer = carry
+    attn_out, pool = Attention(self.cfg, self.attention_impl, name='attn')(
+        RMSNorm(self.cfg.norm_eps, name='attn_norm')(x), positions, pool, batch, layer)
+    x = x + attn_out
+    x = x + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg.norm_eps, name='mlp_norm')(x))
+    return (x, pool, layer + 1), None
+
+
+class Llama(nn.Module):
+  """tokens [B, T], positions [B, T] -> logits, updated pool.
+
+  logits_index [B] (optional) picks one position per row, so prefill computes the vocabulary
+  projection only where a token is sampled: logits are then [B, V], else [B, T, V].
+  """
+  cfg: ModelConfig
+  attention_impl: str = 'reference'
+
+  @nn.compact
+  def __call__(self, tokens, positions, pool=None, batch=None,
+               logits_index: Optional[jax.Array] = None):
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name='embed',
+                     embedding_init=nn.initializers.normal(0.02))
+    x = embed(tokens).astype(DTYPES[cfg.dtype])
+    layers = nn.scan(DecoderLayer, variable_axes={'params': 0}, split_rngs={'params': True},
+                     in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers)
+    (x, pool, _), _ = layers(cfg, self.attention_impl, name='layers')(
+        (x, pool, jnp.int32(0)), positions, batch)
+    x = RMSNorm(cfg.norm_eps, name='final_norm')(x)
+    if logits_index is not None:
+      x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+    if cfg.tie_embeddings:
+      logits = embed.attend(x.astype(jnp.float32))
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, name='lm_head')(x.astype(jnp.float32))
+    return logits.astype(jnp.float32), pool
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+  """Random params (normal 0.02 projections): the tiny test models."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return Llama(cfg).init(jax.random.PRNGKey(seed), tokens, tokens)
+
+
+def forward_dense(cfg: ModelConfig, params, tokens):
+  """No-cache forward over whole sequences: tokens [B, T] -> logits [B, T, V]."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits, _ = Llama(cfg).apply(params, tokens, positions)
+  return logits
