@@ -101,14 +101,16 @@ class Attention(nn.Module):
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    # Padded queries carry position -1 (see step_inputs.py); rotate them as position 0.
+    rope_positions = jnp.maximum(positions, 0)
+    q = rope(q, rope_positions, cfg.rope_theta)
+    k = rope(k, rope_positions, cfg.rope_theta)
     if pool is None:
       out = dense_causal_attention(q, k, v)
     else:
       pool = pool_lib.write_kv(pool, layer, k, v, batch.slot_mapping)
       out = paged_attention(q, pool.k[layer], pool.v[layer], batch.block_tables,
-                            batch.context_lens, batch.q_positions, impl=self.attention_impl)
+                            batch.context_lens, positions, impl=self.attention_impl)
     out = dense(cfg.d_model, 'o_proj')(out.reshape(b, t, -1))
     return out, pool
 
@@ -140,7 +142,10 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-  """tokens [B, T], positions [B, T] -> logits, updated pool.
+  """tokens [B, T], positions [B, T] (-1 = padding) -> logits, updated pool.
+
+  `batch` carries the paging metadata (slot_mapping, block_tables, context_lens; see
+  pagedjax/step_inputs.py); with `pool=None` attention is dense and causal within `tokens`.
 
   logits_index [B] (optional) picks one position per row, so prefill computes the vocabulary
   projection only where a token is sampled: logits are then [B, V], else [B, T, V].

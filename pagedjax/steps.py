@@ -1,0 +1,40 @@
+"""The jitted step: run the model over a bucketed batch, write K/V into the pool, sample.
+
+One pure function serves chunked prefill (T > 1 query tokens per row) and decode (T = 1):
+the new tokens' K/V are scattered into their slots first, then each query attends over its
+sequence's blocks up to its own position, so a prefill chunk sees the cached prefix plus the
+causal part of itself. The pool is donated, so XLA updates it in place. Only the sampled token
+ids (and, when asked for, the sampled rows' logits) come back to the host.
+"""
+import jax
+
+from pagedjax.model import Llama, ModelConfig
+from pagedjax.pool import KVPool
+from pagedjax.sampling import sample
+from pagedjax.step_inputs import StepInputs
+
+
+class CompiledStep:
+  """`step(params, pool, inputs) -> (pool, tokens[, logits])`, counting its compilations.
+
+  A trace happens exactly when jit meets a new input shape signature, so the trace counter is
+  the compilation count the engine reports (and the tests bound).
+  """
+
+  def __init__(self, cfg: ModelConfig, attention_impl: str = 'reference',
+               return_logits: bool = False):
+    self.num_compilations = 0
+    model = Llama(cfg, attention_impl)
+
+    def step(params, pool: KVPool, inputs: StepInputs):
+      self.num_compilations += 1  # runs at trace time only
+      logits, pool = model.apply(params, inputs.tokens, inputs.positions, pool, inputs,
+                                 logits_index=inputs.logits_index)
+      tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds,
+                      inputs.counters)
+      return (pool, tokens, logits) if return_logits else (pool, tokens)
+
+    self._jitted = jax.jit(step, donate_argnums=(1,))
+
+  def __call__(self, params, pool, inputs):
+    return self._jitted(params, pool, inputs)
