@@ -4,7 +4,8 @@ Lives in plain Python between jitted steps; it never touches the device. Block 0
 block, see pool.py) is reserved and never handed out.
 """
 import numbers
-from typing import Iterable, List
+import random
+from typing import Iterable, List, Optional
 
 from pagedjax.pool import NULL_BLOCK
 
@@ -15,12 +16,15 @@ class AllocationError(RuntimeError):
 
 class BlockAllocator:
 
-  def __init__(self, num_blocks: int):
+  def __init__(self, num_blocks: int, shuffle_seed: Optional[int] = None):
+    """shuffle_seed scatters physical placement (tests use it: nothing may depend on order)."""
     if num_blocks < 2:
       raise ValueError(f'num_blocks={num_blocks}: need at least 2 (block 0 is the null block)')
     self.num_blocks = num_blocks
-    # Pop from the end: low ids are handed out first, which keeps tests readable.
+    # Pop from the end: low ids are handed out first, which keeps logs readable.
     self._free: List[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))
+    if shuffle_seed is not None:
+      random.Random(shuffle_seed).shuffle(self._free)
     self._ref_counts = [0] * num_blocks
 
   @property

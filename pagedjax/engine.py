@@ -35,7 +35,9 @@ class Engine:
                num_blocks: int = 256, max_batch_size: int = 8, prefill_chunk: int = 128,
                max_seq_len: Optional[int] = None, attention_impl: str = 'reference',
                kv_dtype: Optional[str] = None, eos_id: Optional[int] = None, tokenizer=None,
-               record_logits: bool = False):
+               record_logits: bool = False, step_fn: Optional[CompiledStep] = None,
+               shuffle_blocks_seed: Optional[int] = None):
+    """step_fn lets engines of the same model share compiled steps (tests, sweeps)."""
     self.cfg = model_cfg
     self.params = params
     self.block_size = block_size
@@ -44,17 +46,20 @@ class Engine:
     self.max_seq_len = min(max_seq_len or model_cfg.max_seq_len, model_cfg.max_seq_len)
     self.eos_id = eos_id
     self.tokenizer = tokenizer
-    self.record_logits = record_logits
 
-    self.allocator = BlockAllocator(num_blocks)
+    self.allocator = BlockAllocator(num_blocks, shuffle_seed=shuffle_blocks_seed)
     self.pool = pool_lib.init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads,
                                    block_size, model_cfg.head_dim,
                                    DTYPES[kv_dtype or model_cfg.dtype])
-    self.step_fn = CompiledStep(model_cfg, attention_impl, return_logits=record_logits)
+    self.step_fn = step_fn or CompiledStep(model_cfg, attention_impl, record_logits)
+    self.record_logits = self.step_fn.return_logits
     max_blocks_per_seq = math.ceil(self.max_seq_len / block_size)
     self.batch_buckets = power_of_two_buckets(max_batch_size)
-    self.token_buckets = [1] + power_of_two_buckets(prefill_chunk, min(8, prefill_chunk))
-    self.block_buckets = power_of_two_buckets(max_blocks_per_seq, min(4, max_blocks_per_seq))
+    # Coarse buckets keep compilations few (each costs ~1 s on CPU even for a tiny model):
+    # decode rows are 1 token, prefill chunks at least 16, block tables cover >= 256 tokens.
+    self.token_buckets = [1] + power_of_two_buckets(prefill_chunk, min(16, prefill_chunk))
+    self.block_buckets = power_of_two_buckets(
+        max_blocks_per_seq, min(math.ceil(256 / block_size), max_blocks_per_seq))
 
     self.waiting: collections.deque = collections.deque()
     self.running: List[Sequence] = []
@@ -238,3 +243,7 @@ class Engine:
   @property
   def num_compilations(self) -> int:
     return self.step_fn.num_compilations
+
+  @property
+  def kv_bytes_per_token(self) -> int:
+    return self.pool.bytes_per_token

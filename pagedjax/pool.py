@@ -32,6 +32,11 @@ class KVPool:
   def nbytes(self) -> int:
     return self.k.nbytes + self.v.nbytes
 
+  @property
+  def bytes_per_token(self) -> int:
+    """K and V bytes one token slot takes, over all layers."""
+    return self.nbytes // (self.num_blocks * self.block_size)
+
 
 def init_pool(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=jnp.float32):
   shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)

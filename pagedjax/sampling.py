@@ -23,13 +23,13 @@ class SamplingParams:
 
   def validate(self):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f'max_new_tokens={self.max_new_tokens!r}: must be an integer >= 1')
+      raise ValueError(f'max_new_tokens={self.max_new_tokens!r} is not allowed: an integer >= 1')
     if not self.temperature >= 0:
-      raise ValueError(f'temperature={self.temperature!r}: must be >= 0 (0 is greedy)')
+      raise ValueError(f'temperature={self.temperature!r} is not allowed: a number >= 0 (0 is greedy)')
     if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f'top_k={self.top_k!r}: must be an integer >= 0 (0 disables it)')
+      raise ValueError(f'top_k={self.top_k!r} is not allowed: an integer >= 0 (0 disables it)')
     if not 0 < self.top_p <= 1:
-      raise ValueError(f'top_p={self.top_p!r}: must be in (0, 1] (1 disables it)')
+      raise ValueError(f'top_p={self.top_p!r} is not allowed: a number in (0, 1] (1 disables it)')
 
 
 def _sample_row(logits, temperature, top_k, top_p, key):

@@ -24,6 +24,7 @@ class CompiledStep:
   def __init__(self, cfg: ModelConfig, attention_impl: str = 'reference',
                return_logits: bool = False):
     self.num_compilations = 0
+    self.return_logits = return_logits
     model = Llama(cfg, attention_impl)
 
     def step(params, pool: KVPool, inputs: StepInputs):
