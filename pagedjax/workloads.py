@@ -1,0 +1,312 @@
+"""Seeded synthetic request traces: length distributions, Poisson arrivals, real-text prompts.
+
+    python -m pagedjax.workloads --dataset sharegpt --n 2000 --rate 4
+
+Lengths: the means are the ones the vLLM paper (Kwon et al., SOSP 2023, Fig. 11) reports for its
+ShareGPT (161.31 in / 337.99 out tokens) and Alpaca (19.31 / 58.45) traces. The shapes are our
+choice, not fitted to the datasets: lognormal, long-tailed like real chat lengths. Lengths are
+clipped to [1, max_len]; clipping would pull the mean down, so by default the lognormal's location
+is solved so that the *clipped* distribution keeps the target mean (`calibrate=False` clips a
+plain lognormal instead). `summarize` reports the realized means; check them, do not assume them.
+
+Prompts are real KJV text (pagedjax.text_data) from a random verse, tokenized by the caller's
+`encode` and cut to the sampled length, so any tokenizer works. `encode` should not add special
+tokens (BOS): traces join separately encoded parts at the token level, which keeps shared
+prefixes token-identical whatever the tokenizer's merges would do across a boundary.
+
+Randomness comes from three independent streams (lengths, arrival gaps, text positions) spawned
+from one seed, so a rate sweep with a fixed seed replays the same prompts at different rates.
+"""
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from pagedjax import text_data
+
+Encode = Callable[[str], Sequence[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+  request_id: int  # position in arrival order, 0..n-1
+  arrival_time: float  # seconds after the trace starts
+  prompt_ids: list[int]
+  max_new_tokens: int
+  conversation_id: Optional[int] = None  # multi-turn traces: which conversation
+  turn: int = 0  # multi-turn traces: 0 for the opening message
+  shared_prefix_len: int = 0  # leading prompt tokens shared with other requests by construction
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDist:
+  """Lognormal token lengths with a target mean; sigma (log-space spread) sets the tail."""
+  mean: float
+  sigma: float
+
+  def __post_init__(self):
+    if self.mean <= 0 or self.sigma <= 0:
+      raise ValueError(f'LengthDist needs mean > 0 and sigma > 0, got {self}')
+
+  def clipped_mean(self, mu: float, lo: int, hi: int) -> float:
+    """E[clip(X, lo, hi)] for X = exp(mu + sigma Z), in closed form."""
+    s = self.sigma
+    cdf = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+    below = cdf((math.log(lo) - mu) / s)
+    above = 1.0 - cdf((math.log(hi) - mu) / s)
+    inside = math.exp(mu + s * s / 2) * (cdf((math.log(hi) - mu - s * s) / s) -
+                                         cdf((math.log(lo) - mu - s * s) / s))
+    return lo * below + inside + hi * above
+
+  def location(self, lo: int, hi: int, calibrate: bool = True) -> float:
+    """The lognormal mu: plain (mean of the unclipped law) or solved for the clipped mean."""
+    plain = math.log(self.mean) - self.sigma**2 / 2
+    if not calibrate:
+      return plain
+    if not lo < self.mean < hi:
+      raise ValueError(f'target mean {self.mean} is not reachable with lengths clipped to '
+                       f'[{lo}, {hi}]; raise the limit, lower the mean, or pass calibrate=False')
+    a, b = math.log(lo) - 10 * self.sigma, math.log(hi) + 10 * self.sigma
+    for _ in range(100):  # clipped_mean rises monotonically with mu
+      mid = (a + b) / 2
+      a, b = (mid, b) if self.clipped_mean(mid, lo, hi) < self.mean else (a, mid)
+    return (a + b) / 2
+
+  def sample(self, n: int, rng: np.random.Generator, max_len: int, min_len: int = 1,
+             calibrate: bool = True) -> np.ndarray:
+    """n integer lengths in [min_len, max_len]."""
+    if not 1 <= min_len <= max_len:
+      raise ValueError(f'need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}')
+    if min_len == max_len:
+      return np.full(n, min_len, np.int64)
+    mu = self.location(min_len, max_len, calibrate)
+    x = np.exp(mu + self.sigma * rng.standard_normal(n))
+    return np.clip(np.rint(x), min_len, max_len).astype(np.int64)
+
+
+# (input, output) length laws.
+DATASETS = {
+    'sharegpt': (LengthDist(161.31, 1.0), LengthDist(337.99, 1.0)),
+    'alpaca': (LengthDist(19.31, 0.6), LengthDist(58.45, 0.8)),
+}
+
+
+def get_dataset(dataset):
+  """(input, output) LengthDists from a name in DATASETS, or a pair given as is.
+
+  A pair serves runs whose limits are too small for the named means, e.g. on CPU:
+  (LengthDist(40, 1.0), LengthDist(30, 1.0)).
+  """
+  if isinstance(dataset, tuple) and len(dataset) == 2 and all(
+      isinstance(d, LengthDist) for d in dataset):
+    return dataset
+  if dataset not in DATASETS:
+    raise ValueError(f'unknown dataset {dataset!r}; allowed: {", ".join(DATASETS)} '
+                     f'or an (input, output) pair of LengthDist')
+  return DATASETS[dataset]
+
+
+def byte_encode(text: str) -> list[int]:
+  """UTF-8 bytes as token ids (vocab 256): a tokenizer that needs nothing, for tests and demos."""
+  return list(text.encode('utf-8'))
+
+
+def _streams(seed: int):
+  """Independent generators for lengths, arrival gaps and text positions."""
+  return [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)]
+
+
+def poisson_arrivals(n: int, rate: float, rng: np.random.Generator) -> np.ndarray:
+  """Arrival times of a Poisson process at `rate` requests/s, the first at t=0.
+
+  rate=inf sends everything at t=0 (an offline batch).
+  """
+  if not rate > 0:
+    raise ValueError(f'rate must be > 0 requests/s (inf for all at t=0), got {rate}')
+  if n == 0:
+    return np.zeros(0)
+  if math.isinf(rate):
+    return np.zeros(n)
+  gaps = rng.exponential(1.0 / rate, n - 1)
+  return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def text_tokens(encode: Encode, start_verse: int, num_tokens: int) -> list[int]:
+  """The first num_tokens tokens of KJV text from verse start_verse on (wrapping at the end)."""
+  if num_tokens < 0:
+    raise ValueError(f'num_tokens must be >= 0, got {num_tokens}')
+  if num_tokens == 0:
+    return []
+  chars = 4 * num_tokens + 16  # ~4 characters per BPE token; doubled until enough
+  limit = 2 * len(text_data.kjv_text()) + 4 * num_tokens
+  while True:
+    ids = [int(t) for t in encode(text_data.passage(start_verse, chars))]
+    if len(ids) >= num_tokens:
+      return ids[:num_tokens]
+    if chars > limit:
+      raise ValueError(f'encode gave only {len(ids)} tokens for {chars} characters of text; '
+                       f'{num_tokens} were needed')
+    chars *= 2
+
+
+def _random_tokens(encode, rng, num_tokens):
+  return text_tokens(encode, int(rng.integers(len(text_data.kjv_verses()))), num_tokens)
+
+
+def _ordered(requests: list[TraceRequest]) -> list[TraceRequest]:
+  """Sort by arrival (ties keep build order) and number the requests in that order."""
+  order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_time, i))
+  return [dataclasses.replace(requests[i], request_id=k) for k, i in enumerate(order)]
+
+
+def synthetic_trace(n_requests: int, dataset='sharegpt', *, encode: Encode = byte_encode,
+                    rate: float = math.inf, seed: int = 0, max_input_len: int = 1024,
+                    max_output_len: int = 1024, calibrate: bool = True) -> list[TraceRequest]:
+  """Independent requests: lengths from `dataset`'s laws, Poisson arrivals, KJV prompts."""
+  in_dist, out_dist = get_dataset(dataset)
+  len_rng, arrival_rng, text_rng = _streams(seed)
+  n_in = in_dist.sample(n_requests, len_rng, max_input_len, calibrate=calibrate)
+  n_out = out_dist.sample(n_requests, len_rng, max_output_len, calibrate=calibrate)
+  times = poisson_arrivals(n_requests, rate, arrival_rng)
+  return _ordered([
+      TraceRequest(i, float(times[i]), _random_tokens(encode, text_rng, int(n_in[i])),
+                   int(n_out[i])) for i in range(n_requests)])
+
+
+def shared_system_prompt(n_requests: int, system_tokens: int = 1000, dataset='sharegpt',
+                         *, encode: Encode = byte_encode, rate: float = math.inf, seed: int = 0,
+                         max_input_len: int = 1024, max_output_len: int = 1024,
+                         calibrate: bool = True) -> list[TraceRequest]:
+  """Every prompt is the same system prompt followed by its own user message.
+
+  max_input_len bounds the user message; the prompt is system_tokens longer.
+  """
+  in_dist, out_dist = get_dataset(dataset)
+  len_rng, arrival_rng, text_rng = _streams(seed)
+  system = _random_tokens(encode, text_rng, system_tokens)
+  n_in = in_dist.sample(n_requests, len_rng, max_input_len, calibrate=calibrate)
+  n_out = out_dist.sample(n_requests, len_rng, max_output_len, calibrate=calibrate)
+  times = poisson_arrivals(n_requests, rate, arrival_rng)
+  return _ordered([
+      TraceRequest(i, float(times[i]), system + _random_tokens(encode, text_rng, int(n_in[i])),
+                   int(n_out[i]), shared_prefix_len=system_tokens) for i in range(n_requests)])
+
+
+def few_shot(n_requests: int, n_shots: int = 5, n_templates: int = 1, dataset='alpaca', *,
+             encode: Encode = byte_encode, rate: float = math.inf, seed: int = 0,
+             max_input_len: int = 1024, max_output_len: int = 1024,
+             calibrate: bool = True) -> list[TraceRequest]:
+  """Few-shot prompts: one of n_templates fixed templates (header + n_shots Q/A examples), then
+  the request's own question. Example and question lengths follow `dataset`'s laws.
+  """
+  if n_shots < 0 or n_templates < 1:
+    raise ValueError(f'need n_shots >= 0 and n_templates >= 1, got {n_shots}, {n_templates}')
+  in_dist, out_dist = get_dataset(dataset)
+  len_rng, arrival_rng, text_rng = _streams(seed)
+  enc = lambda text: [int(t) for t in encode(text)]
+  q_mark, a_mark, gap = enc('Q: '), enc('\nA: '), enc('\n\n')
+  templates = []
+  for _ in range(n_templates):
+    t = enc('Answer the last question in the style of the examples.\n\n')
+    shot_in = in_dist.sample(n_shots, len_rng, max_input_len, calibrate=calibrate)
+    shot_out = out_dist.sample(n_shots, len_rng, max_output_len, calibrate=calibrate)
+    for q_len, a_len in zip(shot_in, shot_out):
+      t += q_mark + _random_tokens(encode, text_rng, int(q_len)) + a_mark
+      t += _random_tokens(encode, text_rng, int(a_len)) + gap
+    templates.append(t)
+  which = len_rng.integers(n_templates, size=n_requests)
+  n_in = in_dist.sample(n_requests, len_rng, max_input_len, calibrate=calibrate)
+  n_out = out_dist.sample(n_requests, len_rng, max_output_len, calibrate=calibrate)
+  times = poisson_arrivals(n_requests, rate, arrival_rng)
+  requests = []
+  for i in range(n_requests):
+    t = templates[which[i]]
+    question = q_mark + _random_tokens(encode, text_rng, int(n_in[i])) + enc('\nA:')
+    requests.append(TraceRequest(i, float(times[i]), t + question, int(n_out[i]),
+                                 shared_prefix_len=len(t)))
+  return _ordered(requests)
+
+
+def multi_turn_chat(n_conversations: int, turns: int = 4, dataset='sharegpt', *,
+                    encode: Encode = byte_encode, rate: float = math.inf,
+                    turn_gap_s: float = 10.0, system_tokens: int = 0, seed: int = 0,
+                    max_input_len: int = 1024, max_output_len: int = 1024,
+                    max_context: Optional[int] = None,
+                    calibrate: bool = True) -> list[TraceRequest]:
+  """Chats where every turn resends the whole history plus a new user message.
+
+  prompt[t] = prompt[t-1] + reply[t-1] + user[t]. reply[t-1] is KJV text of length
+  max_new_tokens[t-1], standing in for what the model said, so the trace is self-contained; an
+  engine driver running closed-loop may substitute the real reply. Conversations start as a
+  Poisson process at `rate`; turn t arrives turn_gap_s * t after its conversation starts (the
+  trace does not wait for the previous turn to finish). A conversation ends early once
+  prompt + max_new_tokens would pass max_context. system_tokens > 0 prepends one system prompt
+  shared by all conversations.
+  """
+  if turns < 1 or turn_gap_s < 0:
+    raise ValueError(f'need turns >= 1 and turn_gap_s >= 0, got {turns}, {turn_gap_s}')
+  in_dist, out_dist = get_dataset(dataset)
+  len_rng, arrival_rng, text_rng = _streams(seed)
+  system = _random_tokens(encode, text_rng, system_tokens)
+  starts = poisson_arrivals(n_conversations, rate, arrival_rng)
+  requests = []
+  for c in range(n_conversations):
+    n_in = in_dist.sample(turns, len_rng, max_input_len, calibrate=calibrate)
+    n_out = out_dist.sample(turns, len_rng, max_output_len, calibrate=calibrate)
+    history, shared, prompt = list(system), system_tokens, None
+    for t in range(turns):
+      if prompt is not None:
+        history = prompt + _random_tokens(encode, text_rng, int(n_out[t - 1]))
+      prompt = history + _random_tokens(encode, text_rng, int(n_in[t]))
+      if max_context is not None and len(prompt) + int(n_out[t]) > max_context:
+        break
+      requests.append(TraceRequest(c, float(starts[c] + t * turn_gap_s), prompt, int(n_out[t]),
+                                   conversation_id=c, turn=t, shared_prefix_len=shared))
+      shared = len(prompt)  # the next turn's prompt starts with this whole one
+  return _ordered(requests)
+
+
+def summarize(requests: Sequence[TraceRequest], dataset=None) -> dict:
+  """Realized figures of a trace (and the target means when the dataset is named)."""
+  n_in = np.array([len(r.prompt_ids) for r in requests])
+  n_out = np.array([r.max_new_tokens for r in requests])
+  times = np.array([r.arrival_time for r in requests])
+  span = float(times.max() - times.min()) if len(requests) else 0.0
+  out = {
+      'n_requests': len(requests),
+      'mean_input_len': float(n_in.mean()) if len(requests) else 0.0,
+      'mean_output_len': float(n_out.mean()) if len(requests) else 0.0,
+      'max_input_len': int(n_in.max()) if len(requests) else 0,
+      'max_output_len': int(n_out.max()) if len(requests) else 0,
+      'prompt_tokens': int(n_in.sum()), 'output_tokens': int(n_out.sum()),
+      'shared_prefix_tokens': int(sum(r.shared_prefix_len for r in requests)),
+      'duration_s': span,
+      # None when every request arrives at once (JSON has no infinity).
+      'realized_rate': (len(requests) - 1) / span if span > 0 else None,
+  }
+  if dataset is not None:
+    in_dist, out_dist = get_dataset(dataset)
+    out.update(target_mean_input_len=in_dist.mean, target_mean_output_len=out_dist.mean)
+  return out
+
+
+def main(argv=None):
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  ap = argparse.ArgumentParser(prog='python -m pagedjax.workloads',
+                               description='Realized figures of a byte-tokenized trace.')
+  ap.add_argument('--dataset', default='sharegpt', choices=sorted(DATASETS))
+  ap.add_argument('--n', type=int, default=2000, help='requests')
+  ap.add_argument('--rate', type=float, default=math.inf, help='requests/s (inf: all at t=0)')
+  ap.add_argument('--seed', type=int, default=0)
+  ap.add_argument('--max-input-len', type=int, default=1024)
+  ap.add_argument('--max-output-len', type=int, default=1024)
+  a = ap.parse_args(argv)
+  trace = synthetic_trace(a.n, a.dataset, rate=a.rate, seed=a.seed,
+                          max_input_len=a.max_input_len, max_output_len=a.max_output_len)
+  print(json.dumps(summarize(trace, a.dataset), indent=2))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,144 @@
+"""KV and weight sizing against hand-computed figures and the published parameter counts."""
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pagedjax import sizing
+from pagedjax.model import ModelConfig, init_params
+
+OPT13, L8, L70, SMOL = (sizing.PRESETS[k] for k in
+                        ('opt-13b', 'llama3-8b', 'llama3-70b', 'smollm2-135m'))
+
+
+def test_kv_bytes_per_token_fp16():
+  # 2 (K and V) * layers * kv_heads * head_dim * 2 bytes.
+  assert sizing.kv_bytes_per_token(OPT13, 'fp16') == 2 * 40 * 5120 * 2 == 819200  # ~800 KiB, MHA
+  assert sizing.kv_bytes_per_token(L8, 'fp16') == 2 * 32 * 8 * 128 * 2 == 131072  # GQA: 8 heads
+  assert sizing.kv_bytes_per_token(L70, 'fp16') == 2 * 80 * 8 * 128 * 2 == 327680
+  assert sizing.kv_bytes_per_token(SMOL, 'bf16') == 2 * 30 * 3 * 64 * 2 == 23040
+
+
+def test_kv_dtypes_halve_and_scales_add():
+  fp16, int8, int4 = (sizing.kv_bytes_per_token(L8, d) for d in ('fp16', 'int8', 'int4'))
+  assert int8 * 2 == fp16 and int4 * 2 == int8
+  assert sizing.kv_bytes_per_token(L8, 'fp8') == int8
+  assert sizing.kv_bytes_per_token(L8, 'float32') == 2 * fp16
+  elements = 2 * 32 * 8 * 128
+  # One fp16 scale per 32 elements; head_dim as the group = one scale per token and head.
+  assert sizing.kv_bytes_per_token(L8, 'int4', kv_group_size=32) == (
+      elements // 2 + elements // 32 * 2)
+  assert sizing.kv_bytes_per_token(L8, 'int8', kv_group_size=128, kv_scale_bytes=4) == (
+      elements + elements // 128 * 4)
+
+
+@pytest.mark.parametrize('shape, published', [
+    (L8, 8.03e9), (L70, 70.6e9), (SMOL, 134.5e6),
+    # OPT-13B is "13B" by name; its real count is 12.85B (1.1% under the name).
+    (OPT13, 12.85e9)])
+def test_param_counts_match_published(shape, published):
+  assert sizing.param_count(shape) == pytest.approx(published, rel=0.01)
+
+
+def test_param_counts_exact():
+  # The totals Hugging Face reports for these checkpoints.
+  assert sizing.param_count(L8) == 8_030_261_248
+  assert sizing.param_count(L70) == 70_553_706_496
+  assert sizing.param_count(SMOL) == 134_515_008
+  assert sizing.param_count(OPT13) == pytest.approx(13e9, rel=0.015)
+
+
+@pytest.mark.parametrize('tie, kv_heads', [(True, 2), (False, 1), (False, 4)])
+def test_param_count_matches_pagedjax_model(tie, kv_heads):
+  cfg = ModelConfig(vocab_size=97, d_model=48, num_layers=3, num_heads=4, num_kv_heads=kv_heads,
+                    head_dim=12, ffn_dim=80, max_seq_len=64, tie_embeddings=tie)
+  shapes = jax.eval_shape(lambda: init_params(cfg))
+  actual = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+  shape = sizing.from_model_config(cfg)
+  assert sizing.param_count(shape) == actual
+  assert sizing.kv_bytes_per_token(shape, 'fp32') == cfg.kv_bytes_per_token
+
+
+def test_plan_fits():
+  p = sizing.plan(L8, context=8192, batch=1, kv_dtype='fp16', tp=1, hbm_gb=80)
+  weights = 8_030_261_248 * 2
+  per_request = 131072 * 8192
+  assert p['weight_bytes_per_device'] == weights
+  assert p['kv_bytes_per_request_per_device'] == per_request == 2**30
+  assert p['max_concurrent_requests'] == (80 * 10**9 - weights) // per_request == 59
+  assert p['batch_fits'] and p['notes'] == []
+  assert not sizing.plan(L8, 8192, batch=60, hbm_gb=80)['batch_fits']
+  # The reserve comes out of the KV budget.
+  assert sizing.plan(L8, 8192, hbm_gb=80, reserve_gb=10)['max_concurrent_requests'] == (
+      (70 * 10**9 - weights) // per_request) == 50
+
+
+def test_plan_weights_do_not_fit():
+  p = sizing.plan(L70, context=4096, hbm_gb=80)
+  assert p['max_concurrent_requests'] == 0 and not p['batch_fits']
+  assert any('do not fit' in n for n in p['notes'])
+
+
+def test_plan_block_rounding_and_context_warning():
+  p = sizing.plan(OPT13, context=2049, block_size=16)
+  assert p['kv_bytes_per_request_per_device'] == 819200 * 2064
+  assert any('exceeds the trained context 2048' in n for n in p['notes'])
+
+
+def test_tensor_parallel_split_and_replication():
+  p8 = sizing.plan(L70, context=8192, tp=8, hbm_gb=80)
+  assert p8['kv_heads_per_device'] == 1 and p8['kv_head_replication'] == 1
+  assert p8['kv_bytes_per_token_per_device'] == 327680 // 8
+  assert p8['params_per_device'] == pytest.approx(sizing.param_count(L70) / 8, rel=1e-3)
+  assert p8['notes'] == []
+  p16 = sizing.plan(L70, context=8192, tp=16, hbm_gb=80)
+  assert p16['kv_heads_per_device'] == 1 and p16['kv_head_replication'] == 2
+  assert p16['kv_bytes_per_token_per_device'] == 327680 // 8  # one whole head, not half
+  assert any('replicated on 2 devices' in n for n in p16['notes'])
+  # k/v weights stop shrinking past kv_heads, so the per-device count exceeds total / 16.
+  assert p16['params_per_device'] > sizing.param_count(L70) / 16
+  with pytest.raises(ValueError, match='tp=3 does not divide num_heads=32'):
+    sizing.plan(L8, context=128, tp=3)
+  with pytest.raises(ValueError, match='multiple of num_kv_heads'):
+    shape = sizing.ModelShape('x', num_layers=1, d_model=64, num_heads=24, num_kv_heads=8,
+                              head_dim=8, ffn_dim=8, vocab_size=8, tie_embeddings=True)
+    sizing.kv_heads_per_device(shape, 12)  # 12 > 8 kv heads but not a multiple of 8
+
+
+@pytest.mark.parametrize('name', ['Llama-3-8B', 'llama3_8b', 'LLAMA38B'])
+def test_preset_aliases(name):
+  assert sizing.get_preset(name) is L8
+
+
+def test_bad_names_list_allowed_values():
+  with pytest.raises(ValueError, match=r"unknown preset 'gpt2'; allowed: opt-13b, llama3-8b"):
+    sizing.get_preset('gpt2')
+  with pytest.raises(ValueError, match=r"unknown dtype 'fp4'; allowed: fp32, fp16, bf16, fp8"):
+    sizing.kv_bytes_per_token(L8, 'fp4')
+  with pytest.raises(ValueError, match='only to quantized KV dtypes'):
+    sizing.kv_bytes_per_token(L8, 'fp16', kv_group_size=32)
+  with pytest.raises(ValueError, match='divide head_dim=128'):
+    sizing.kv_bytes_per_token(L8, 'int4', kv_group_size=48)
+  with pytest.raises(ValueError, match='not a multiple of num_kv_heads'):
+    sizing.ModelShape('bad', 1, 64, num_heads=6, num_kv_heads=4, head_dim=8, ffn_dim=8,
+                      vocab_size=8, tie_embeddings=True)
+
+
+def test_cli(capsys):
+  sizing.main(['--preset', 'llama3-8b', '--context', '8192', '--batch', '1', '--hbm-gb', '80'])
+  out = capsys.readouterr().out
+  assert '131,072 B (131.1 kB = 128.0 KiB)' in out
+  assert 'concurrent requests: 59 at this context' in out
+  with pytest.raises(SystemExit) as e:
+    sizing.main(['--preset', 'gpt2'])
+  assert e.value.code == 2
+  assert 'allowed: opt-13b' in capsys.readouterr().err
+
+
+def test_runs_as_module():
+  out = subprocess.run([sys.executable, '-m', 'pagedjax.sizing', '--preset', 'opt-13b',
+                        '--kv-dtype', 'int8', '--json'], capture_output=True, text=True,
+                       check=True).stdout
+  assert '"kv_bytes_per_token": 409600' in out
