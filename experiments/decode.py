@@ -68,6 +68,7 @@ def main(argv):
       'kv_blocks_total': config.pool.num_blocks,
       'kv_blocks_peak_used': engine.peak_blocks_used,
       'kv_utilization': util,
+      'kv_utilization_mean': engine.mean_utilization,
       'kv_bytes_per_token': engine.kv_bytes_per_token,
       'kv_pool_bytes': engine.pool.nbytes,
       'num_compilations': engine.num_compilations,

@@ -216,12 +216,20 @@ class Engine:
     return done
 
   def _track_memory(self):
-    """Peak blocks in use, and at that moment the share of their slots holding real tokens."""
+    """Called after each step's writes, before frees. Utilization = cached tokens / slots of
+    allocated blocks; `utilization_at_peak` is taken at the last step holding the peak block
+    count (sequences there are as full as they get before one retires)."""
     used = self.allocator.num_used
-    if used > self.peak_blocks_used:
+    util = sum(s.num_cached for s in self.running) / max(used * self.block_size, 1)
+    self.stats['utilization_sum'] += util
+    if used >= self.peak_blocks_used:
       self.peak_blocks_used = used
-      cached = sum(s.num_cached for s in self.running)
-      self.utilization_at_peak = cached / (used * self.block_size)
+      self.utilization_at_peak = util
+
+  @property
+  def mean_utilization(self) -> float:
+    """Step-averaged KV utilization."""
+    return self.stats['utilization_sum'] / max(self.stats['steps'], 1)
 
   # ---- driving ---------------------------------------------------------------------------
 
