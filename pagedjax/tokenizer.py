@@ -1,0 +1,163 @@
+"""Text <-> token ids, built offline from GGUF metadata or an HF tokenizer.json.
+
+The SmolLM2 GGUF carries its whole tokenizer (vocabulary, merges, token types, special ids,
+chat template), so no network download is needed: we rebuild it as a Hugging Face `tokenizers`
+byte-level BPE with the pre-tokenizer llama.cpp calls "smollm" (every digit its own piece, then
+the GPT-2 byte-level regex, no prefix space).
+"""
+import json
+import os
+from typing import Optional, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+# llama.cpp token types (gguf.TokenType): control tokens are specials like <|im_end|>;
+# user-defined tokens are added tokens matched whole but not special.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# tokenizer.ggml.pre values whose pre-tokenization we reproduce exactly.
+_DIGITS_THEN_BYTE_LEVEL = ('smollm',)
+_BYTE_LEVEL_ONLY = ('gpt2', 'default')
+
+
+class Tokenizer:
+  """A thin wrapper over a `tokenizers.Tokenizer` with the ids the decode loop needs."""
+
+  def __init__(self, tok: tokenizers.Tokenizer, bos_id: Optional[int], eos_id: Optional[int],
+               chat_template: Optional[str] = None):
+    self._tok = tok
+    self.bos_id = bos_id
+    self.eos_id = eos_id
+    self.chat_template = chat_template
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list:
+    """Ids for text; special tokens written in the text (e.g. <|im_end|>) become single ids.
+
+    No BOS is prepended: SmolLM2 is trained without one (tokenizer.ggml.add_bos_token=false).
+    """
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+    """Text for ids. Specials are kept by default so encode/decode round-trips exactly."""
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f'token ids out of range [0, {self.vocab_size}): {bad[:8]}')
+    return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+  def token_to_id(self, token: str) -> Optional[int]:
+    return self._tok.token_to_id(token)
+
+  def save(self, tokenizer_json: str):
+    """Write an HF tokenizer.json (loads in ~0.1 s, vs ~2 s to parse a GGUF's metadata)."""
+    self._tok.save(tokenizer_json)
+
+  def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True
+                          ) -> str:
+    """Render [{'role': ..., 'content': ...}] with the model's Jinja chat template (needs jinja2).
+
+    Returns the prompt text; pass it to encode(). The template is rendered in a sandbox, as
+    Hugging Face does, since it comes from a model file.
+    """
+    if not self.chat_template:
+      raise ValueError('this tokenizer has no chat template')
+    try:
+      from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+      raise ImportError('apply_chat_template needs jinja2: pip install jinja2') from e
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=['jinja2.ext.loopcontrols'])
+
+    def raise_exception(message):  # templates call this to reject bad conversations
+      raise ValueError(f'chat template: {message}')
+
+    env.globals['raise_exception'] = raise_exception
+    special = lambda i: self._tok.id_to_token(i) if i is not None else ''
+    return env.from_string(self.chat_template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt,
+        bos_token=special(self.bos_id), eos_token=special(self.eos_id))
+
+  @classmethod
+  def from_gguf(cls, path: str) -> 'Tokenizer':
+    """Byte-level BPE from a GGUF file's tokenizer.ggml.* metadata."""
+    import gguf  # deferred: only GGUF users need it
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'GGUF file not found: {path!r}')
+    reader = gguf.GGUFReader(path)
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None
+    kind, pre = field('tokenizer.ggml.model'), field('tokenizer.ggml.pre') or 'default'
+    if kind != 'gpt2':
+      raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE 'gpt2'")
+    if pre not in _DIGITS_THEN_BYTE_LEVEL + _BYTE_LEVEL_ONLY:
+      raise ValueError(f'unsupported GGUF pre-tokenizer {pre!r}; supported: '
+                       f'{_DIGITS_THEN_BYTE_LEVEL + _BYTE_LEVEL_ONLY}')
+    tokens, merges = field('tokenizer.ggml.tokens'), field('tokenizer.ggml.merges')
+    if not tokens or not merges:
+      raise ValueError(f'{path}: GGUF lacks tokenizer.ggml.tokens or tokenizer.ggml.merges')
+    types = field('tokenizer.ggml.token_type') or [_NORMAL] * len(tokens)
+    merges = [tuple(m.split(' ', 1)) for m in merges]
+    tok = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                          merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_BYTE_LEVEL:
+      tok.pre_tokenizer = pre_tokenizers.Sequence(
+          [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+      tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    # The ids already exist in the vocab, so registering them keeps their ids; registration is
+    # what makes "<|im_end|>" in text one token instead of byte-level pieces.
+    added = lambda wanted: [tokenizers.AddedToken(t, special=wanted == _CONTROL, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == wanted]
+    tok.add_special_tokens(added(_CONTROL))
+    tok.add_tokens(added(_USER_DEFINED))
+    ids = lambda key: None if field(key) is None else int(field(key))
+    return cls(tok, ids('tokenizer.ggml.bos_token_id'), ids('tokenizer.ggml.eos_token_id'),
+               field('tokenizer.chat_template'))
+
+  @classmethod
+  def from_file(cls, tokenizer_json: str) -> 'Tokenizer':
+    """From an HF tokenizer.json; BOS/EOS and chat template from sibling files.
+
+    BOS/EOS come from tokenizer_config.json, else config.json's bos/eos_token_id; the template
+    from tokenizer_config.json, else chat_template.jinja.
+    """
+    if not os.path.isfile(tokenizer_json):
+      raise FileNotFoundError(f'tokenizer file not found: {tokenizer_json!r}')
+    tok = tokenizers.Tokenizer.from_file(tokenizer_json)
+    folder = os.path.dirname(os.path.abspath(tokenizer_json))
+    bos = eos = template = None
+    config = _read_json(os.path.join(folder, 'tokenizer_config.json'))
+    if config is not None:
+      bos = _token_id(tok, config.get('bos_token'))
+      eos = _token_id(tok, config.get('eos_token'))
+      template = config.get('chat_template')
+      if isinstance(template, list):  # named templates: [{'name': ..., 'template': ...}]
+        template = next((t['template'] for t in template if t.get('name') == 'default'), None)
+    jinja = os.path.join(folder, 'chat_template.jinja')  # where transformers>=4.5x saves it
+    if template is None and os.path.isfile(jinja):
+      with open(jinja) as f:
+        template = f.read()
+    model_config = _read_json(os.path.join(folder, 'config.json')) or {}
+    first = lambda v: v[0] if isinstance(v, list) else v
+    bos = bos if bos is not None else first(model_config.get('bos_token_id'))
+    eos = eos if eos is not None else first(model_config.get('eos_token_id'))
+    return cls(tok, bos, eos, template)
+
+
+def _read_json(path: str) -> Optional[dict]:
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _token_id(tok: tokenizers.Tokenizer, token) -> Optional[int]:
+  """tokenizer_config.json writes specials as a string or as {'content': ...}."""
+  if isinstance(token, dict):
+    token = token.get('content')
+  return None if token is None else tok.token_to_id(token)
