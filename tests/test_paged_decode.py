@@ -3,55 +3,15 @@
 Tolerance: float32 logits within atol 1e-4 (differences come only from summation order:
 blockwise attention and chunked prefill reorder the same float32 sums).
 """
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.engine import Engine
-from pagedjax.model import ModelConfig, forward_dense, init_params
 from pagedjax.sampling import SamplingParams
 from pagedjax.steps import CompiledStep
+from tiny_models import dense_logits, make_engine, prompts, tiny
 
 ATOL_F32 = 1e-4
-HEADS = {'mha': (4, 4), 'gqa': (4, 2), 'mqa': (4, 1)}
-
-
-@functools.lru_cache(maxsize=None)
-def tiny(kind='gqa'):
-  """(cfg, params, CompiledStep) shared by every test of one attention kind."""
-  heads, kv_heads = HEADS[kind]
-  cfg = ModelConfig(vocab_size=97, d_model=48, num_layers=2, num_heads=heads,
-                    num_kv_heads=kv_heads, head_dim=12, ffn_dim=96, max_seq_len=512)
-  return cfg, init_params(cfg, seed=1), CompiledStep(cfg, return_logits=True)
-
-
-@functools.lru_cache(maxsize=None)
-def dense_fn(kind):
-  cfg, params, _ = tiny(kind)
-  return jax.jit(lambda tokens: forward_dense(cfg, params, tokens))
-
-
-def make_engine(kind='gqa', **kw):
-  cfg, params, step = tiny(kind)
-  kw = {'block_size': 16, 'num_blocks': 64, 'max_batch_size': 4, 'prefill_chunk': 16,
-        'step_fn': step, **kw}
-  return Engine(cfg, params, **kw)
-
-
-def prompts(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, 97, n).tolist() for n in lengths]
-
-
-def dense_logits(kind, completion):
-  """Dense logits at every position that produced a generated token."""
-  ids = completion.prompt_ids + completion.output_ids
-  logits = np.asarray(dense_fn(kind)(jnp.asarray([ids]))[0])
-  start = len(completion.prompt_ids) - 1
-  return logits[start:start + len(completion.output_ids)]
 
 
 LENGTHS = [1, 5, 16, 17, 40]

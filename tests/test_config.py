@@ -1,0 +1,44 @@
+import pytest
+
+from configs import default
+from pagedjax.config import ConfigError, validate_config
+
+
+def test_default_and_tiny_configs_are_valid():
+  validate_config(default.get_config())
+  validate_config(default.get_config('tiny'))
+  with pytest.raises(ValueError, match="unknown variant 'huge'"):
+    default.get_config('huge')
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('pool.block_size', 24, r'config.pool.block_size=24 is not allowed: a power of two'),
+    ('pool.block_size', 0, r'pool.block_size=0'),
+    ('model.random.num_kv_heads', 3, r'num_kv_heads=3 is not allowed: a divisor of '
+                                      r'num_heads=4: one of \[1, 2, 4\]'),
+    ('model.dtype', 'float8', r"model.dtype='float8' is not allowed: one of \('float32'"),
+    ('pool.kv_dtype', 'int3', r"pool.kv_dtype='int3' is not allowed"),
+    ('pool.num_blocks', 8, r'pool.num_blocks=8 is not allowed: at least engine.max_batch_size '
+                           r'\+ 1 = 9'),
+    ('model.source', 'hub', r"model.source='hub' is not allowed: one of \('smollm2'"),
+    ('attention.impl', 'cuda', r"attention.impl='cuda' is not allowed"),
+    ('engine.prefill_chunk', 100, r'engine.prefill_chunk=100 is not allowed: a power of two'),
+    ('sampling.max_new_tokens', 0, r'config.sampling.max_new_tokens=0 is not allowed'),
+    ('sampling.top_p', 1.5, r'config.sampling.top_p=1.5 is not allowed'),
+])
+def test_bad_values_name_field_value_and_allowed(field, value, message):
+  config = default.get_config('tiny')
+  section, *rest = field.split('.')
+  target = config[section]
+  for part in rest[:-1]:
+    target = target[part]
+  target[rest[-1]] = value
+  with pytest.raises(ConfigError, match=message):
+    validate_config(config)
+
+
+def test_file_sources_need_a_path():
+  config = default.get_config()
+  config.model.source = 'gguf'
+  with pytest.raises(ConfigError, match="model.path='' is not allowed: a file or directory"):
+    validate_config(config)
