@@ -50,6 +50,9 @@ def get_config(arg=None):
   config.sampling.top_p = 1.0
   config.sampling.seed = 0
 
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.model = 1  # tensor-parallel degree: KV pool over KV heads, weights over heads/MLP
+
   config.prompts = list(PROMPTS)
 
   if arg == 'tiny':
