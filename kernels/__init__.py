@@ -15,12 +15,14 @@ float32 (one scale per token and KV head); every path dequantizes as value * sca
 Implementation modules are imported on first use, so importing `kernels` (the model does) does
 not pay for importing Pallas or Triton.
 """
+import functools
 import importlib
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ('reference', 'xla', 'pallas_tpu', 'pallas_gpu', 'triton', 'auto')
+# Concrete paths; `impl='auto'` (not listed) resolves to one of them, see best_impl().
+IMPLS = ('reference', 'xla', 'pallas_tpu', 'pallas_gpu', 'triton')
 
 # impl name -> (module, function); the wrappers all take the reference signature plus
 # k_scales/v_scales.
@@ -88,21 +90,33 @@ def dequantize_pages(pages, scales):
   return pages.astype(jnp.float32) * scales[..., None]
 
 
+@functools.partial(jax.jit, static_argnames=('scale',))
+def _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales,
+               *, scale):
+  from kernels.reference import paged_attention_ref  # pylint: disable=import-outside-toplevel
+  if k_scales is not None:
+    # Elementwise, so dequantizing before the gather equals dequantizing after it.
+    k_pages, v_pages = dequantize_pages(k_pages, k_scales), dequantize_pages(v_pages, v_scales)
+  return paged_attention_ref(q, k_pages, v_pages, block_tables, context_lens, q_positions,
+                             scale=scale)
+
+
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
                     impl='reference', scale=None, k_scales=None, v_scales=None):
   """Attention of queries over a paged KV cache; see kernels/reference.py for shapes."""
   if impl == 'auto':
     impl = best_impl()
+    _, _, block_size, head_dim = k_pages.shape
+    pow2 = lambda n: n & (n - 1) == 0
+    if impl == 'pallas_gpu' and (k_scales is not None or not pow2(block_size) or
+                                 not pow2(head_dim)):
+      impl = 'xla'  # what the GPU kernel does not cover (quantized pages, odd shapes)
   if impl == 'reference':
-    from kernels.reference import paged_attention_ref
     check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
-    if k_scales is not None:
-      # Elementwise, so dequantizing before the gather equals dequantizing after it.
-      k_pages, v_pages = dequantize_pages(k_pages, k_scales), dequantize_pages(v_pages, v_scales)
-    return paged_attention_ref(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                               scale=scale)
+    return _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                      v_scales, scale=scale)
   if impl not in _MODULES:
-    raise ValueError(f'attention impl {impl!r} is not one of {IMPLS}')
+    raise ValueError(f'attention impl {impl!r} is not one of {IMPLS + ("auto",)}')
   module, name = _MODULES[impl]
   fn = getattr(importlib.import_module(module), name)
   return fn(q, k_pages, v_pages, block_tables, context_lens, q_positions, scale=scale,

@@ -1,0 +1,228 @@
+"""Paged attention as a `@triton.jit` kernel, launched from JAX by `jax_triton.triton_call`.
+
+GPU only from JAX: jax_triton does not import on a CPU-only jaxlib, so it is imported when the
+wrapper runs. The kernel itself is plain Triton: on CPU, CI runs the very same function under
+Triton's interpreter (`TRITON_INTERPRET=1` set before this module is imported) with torch CPU
+tensors through `launch_torch`; see tests/test_triton_kernel.py.
+
+Grid (B, Hkv): one program per sequence and KV head. It loops over that sequence's visible
+blocks only (a runtime trip count), loads each physical [bs, D] block of K and V at its
+block-table entry by pointer offset, and folds it into a running softmax over the group's query
+rows (T*G rows, zero-padded to a power of two >= 16 so both products are `tl.dot`s; float32 dots
+use IEEE precision, not TF32). Masking uses `tl.where`: past-length slots may hold NaN or inf.
+
+Layouts the kernel reads (all contiguous): q [B, Hkv, Rp, D]; row_seen [B, Rp] (tokens each
+row sees); pages [N, Hkv, bs, D]; block_tables [B, MB]; context_lens, num_blocks [B];
+out [B, Hkv, Rp, D]. Float pages only (quantized pools: `xla`, `pallas_tpu`).
+"""
+# Annotations stay strings ('tl.constexpr'): this module imports without triton, and Triton's
+# interpreter re-compiles the kernel source with postponed annotations anyway.
+from __future__ import annotations
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import check_inputs
+
+try:
+  import triton
+  import triton.language as tl
+except ImportError:  # the `triton` path is then unavailable; everything else still imports
+  triton = tl = None
+
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+def _pow2(n):
+  return n > 0 and n & (n - 1) == 0
+
+
+def padded_rows(rows):
+  return max(_MIN_DOT, 1 << (rows - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrapper (JAX on GPU)
+# ------------------------------------------------------------------------------------------------
+def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
+                           scale=None, k_scales=None, v_scales=None, num_warps=4, num_stages=2):
+  """Same contract as kernels/reference.py; needs a GPU, triton and jax_triton."""
+  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
+  _check_supported(k_pages, k_scales)
+  try:
+    import jax_triton  # pylint: disable=import-outside-toplevel
+  except ImportError as e:  # on CPU jaxlib jax_triton refuses to import
+    raise RuntimeError(f'impl="triton" needs jax_triton and a GPU jaxlib ({e}); on CPU use '
+                       'impl="xla"') from e
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens,
+                          q_positions, float(scale), num_warps, num_stages)
+
+
+def _check_supported(k_pages, k_scales):
+  if triton is None:
+    raise RuntimeError('impl="triton" needs the triton package (requirements-kernels.txt)')
+  if k_scales is not None:
+    raise ValueError(f'the triton path reads float pages only, got {k_pages.dtype} with scales; '
+                     'use impl="xla" or "pallas_tpu"')
+  block_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+  if not (_pow2(block_size) and _pow2(head_dim)):
+    raise ValueError(f'triton needs power-of-two block_size and head_dim, got '
+                     f'block_size={block_size}, head_dim={head_dim}')
+
+
+def prepare(q, block_tables, context_lens, q_positions, num_kv_heads, block_size):
+  """JAX-side layout shared by both launchers: (q rows [B, Hkv, Rp, D], row_seen [B, Rp],
+  num_blocks [B])."""
+  batch, num_q, num_heads, head_dim = q.shape
+  group = num_heads // num_kv_heads
+  rows = num_q * group
+  rp = padded_rows(rows)
+  qg = q.reshape(batch, num_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+  qg = jnp.pad(qg.reshape(batch, num_kv_heads, rows, head_dim),
+               ((0, 0), (0, 0), (0, rp - rows), (0, 0)))
+  seen = jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)  # [B, T]
+  row_seen = jnp.pad(jnp.repeat(seen, group, axis=1), ((0, 0), (0, rp - rows)))
+  num_blocks = jnp.minimum(block_tables.shape[1],
+                           (jnp.max(seen, axis=1) + block_size - 1) // block_size)
+  return qg, row_seen.astype(jnp.int32), num_blocks.astype(jnp.int32)
+
+
+def unprepare(out, num_q, num_heads):
+  """[B, Hkv, Rp, D] kernel output -> [B, T, Hq, D]."""
+  batch, num_kv_heads, _, head_dim = out.shape
+  group = num_heads // num_kv_heads
+  out = out[:, :, :num_q * group].reshape(batch, num_kv_heads, num_q, group, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+def _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens, q_positions,
+                     scale, num_warps, num_stages):
+  batch, num_q, num_heads, head_dim = q.shape
+  _, num_kv_heads, block_size, _ = k_pages.shape
+  qg, row_seen, num_blocks = prepare(q, block_tables, context_lens, q_positions, num_kv_heads,
+                                     block_size)
+  out = jax_triton.triton_call(
+      qg, k_pages, v_pages, block_tables, context_lens, row_seen, num_blocks,
+      kernel=_kernel,
+      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+      grid=(batch, num_kv_heads),
+      num_warps=num_warps, num_stages=num_stages,
+      **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim, scale))
+  return unprepare(out, num_q, num_heads)
+
+
+def _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, scale):
+  return dict(SCALE=scale, NUM_KV_HEADS=num_kv_heads, MAX_BLOCKS=max_blocks, ROWS=rows,
+              BLOCK_SIZE=block_size, HEAD_DIM=head_dim, USE_DOT=block_size >= _MIN_DOT)
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrapper (torch: Triton's CPU interpreter in tests, or a torch caller on GPU)
+# ------------------------------------------------------------------------------------------------
+def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *, scale=None):
+  """Runs the kernel on torch tensors on the inputs' device: JAX/numpy inputs are converted.
+
+  Returns a numpy array [B, T, Hq, D] (float32 for float32 pages, else q's dtype as float32).
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions)
+  _check_supported(k_pages, None)
+  batch, num_q, num_heads, head_dim = q.shape
+  _, num_kv_heads, block_size, _ = k_pages.shape
+  scale = head_dim ** -0.5 if scale is None else scale
+  qg, row_seen, num_blocks = prepare(jnp.asarray(q), jnp.asarray(block_tables),
+                                     jnp.asarray(context_lens), jnp.asarray(q_positions),
+                                     num_kv_heads, block_size)
+
+  def to_torch(x):  # bf16 has no numpy dtype: cross through dlpack
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bfloat16:
+      return torch.from_dlpack(x).clone()
+    return torch.from_numpy(np.array(x))
+
+  args = [to_torch(x) for x in (qg, k_pages, v_pages, block_tables, context_lens, row_seen,
+                                num_blocks)]
+  out = torch.empty(tuple(qg.shape), dtype=args[0].dtype)
+  _kernel[(batch, num_kv_heads)](
+      *args, out, **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size,
+                          head_dim, float(scale)))
+  return np.asarray(unprepare(jnp.asarray(out.float().numpy()), num_q, num_heads))
+
+
+def compile_ahead(capability=90, *, rows=16, num_kv_heads=8, max_blocks=16, block_size=64,
+                  head_dim=64, dtype='fp32', num_warps=4, num_stages=2):
+  """Compiles the kernel for a CUDA compute capability without a GPU (Triton ships ptxas);
+  returns Triton's compiled kernel, whose .asm holds ttir/ttgir/llir/ptx/cubin. Needs a
+  process in which TRITON_INTERPRET was not set when triton was imported."""
+  from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+  from triton.runtime.jit import JITFunction  # pylint: disable=import-outside-toplevel
+  fn = JITFunction(_paged_attention_kernel)
+  meta = _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, 0.125)
+  signature = {name: f'*{dtype}' if name in ('q_ptr', 'k_ptr', 'v_ptr', 'o_ptr') else '*i32'
+               for name in fn.arg_names[:8]}
+  signature.update({name: 'constexpr' for name in meta})
+  source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta)
+  return triton.compile(source, target=GPUTarget('cuda', capability, 32),
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel body
+# ------------------------------------------------------------------------------------------------
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, seen_ptr, counts_ptr,
+                            o_ptr, SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                            MAX_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            USE_DOT: tl.constexpr):
+  b = tl.program_id(0)
+  h = tl.program_id(1)
+  r = tl.arange(0, ROWS)
+  d = tl.arange(0, HEAD_DIM)
+  t = tl.arange(0, BLOCK_SIZE)
+  tile = (b * NUM_KV_HEADS + h).to(tl.int64) * ROWS * HEAD_DIM
+  q = tl.load(q_ptr + tile + r[:, None] * HEAD_DIM + d[None, :]).to(tl.float32) * SCALE
+  row_seen = tl.load(seen_ptr + b * ROWS + r)
+  length = tl.load(lens_ptr + b)
+  num_blocks = tl.load(counts_ptr + b)
+
+  m = tl.full((ROWS,), float('-inf'), tl.float32)
+  l = tl.zeros((ROWS,), tl.float32)
+  acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+  # A constant trip count with a uniform branch, not range(num_blocks): Triton's interpreter
+  # cannot take a loaded scalar as a loop bound under NumPy >= 2.4.
+  for j in range(0, MAX_BLOCKS):
+    if j < num_blocks:
+      block = tl.load(tables_ptr + b * MAX_BLOCKS + j).to(tl.int64)
+      base = (block * NUM_KV_HEADS + h) * BLOCK_SIZE * HEAD_DIM
+      offsets = base + t[:, None] * HEAD_DIM + d[None, :]
+      k = tl.load(k_ptr + offsets).to(tl.float32)  # [bs, D]
+      if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision='ieee')
+      else:
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+      pos = j * BLOCK_SIZE + t
+      visible = pos[None, :] < row_seen[:, None]
+      s = tl.where(visible, s, float('-inf'))
+      m_new = tl.maximum(m, tl.max(s, axis=1))
+      m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)  # row has seen no token yet
+      p = tl.where(visible, tl.exp(s - m_shift[:, None]), 0.0)
+      alpha = tl.exp(m - m_shift)
+      l = l * alpha + tl.sum(p, axis=1)
+      v = tl.load(v_ptr + offsets).to(tl.float32)
+      v = tl.where((pos < length)[:, None], v, 0.0)  # past-length slots hold garbage
+      if USE_DOT:
+        pv = tl.dot(p, v, input_precision='ieee')
+      else:
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+      acc = acc * alpha[:, None] + pv
+      m = m_new
+  out = acc / tl.where(l > 0, l, 1.0)[:, None]
+  tl.store(o_ptr + tile + r[:, None] * HEAD_DIM + d[None, :], out.to(o_ptr.dtype.element_ty))
+
+
+# Decorated at import: under TRITON_INTERPRET=1 this is Triton's interpreted function.
+_kernel = triton.jit(_paged_attention_kernel) if triton is not None else None

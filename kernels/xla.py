@@ -1,0 +1,148 @@
+"""Paged attention in plain JAX: a blockwise online-softmax loop (flash-decoding) for CPU.
+
+Why this shape (measured on the 2-core CPU, see experiments/bench_attention.py):
+- Gathering the whole block table to a dense [B, MB*bs, ...] cache first (the reference) costs
+  3-9x attention over a contiguous cache, mostly in writing that fresh buffer. Here one loop
+  step gathers a single logical block of every sequence, [B, Hkv, bs, D], which stays in cache
+  while it is used, and folds it into a running (max, sum, accumulator) per query row.
+- The loop runs only as many steps as the longest visible context needs (a while loop with a
+  traced trip count), so a bucketed block table with many padding entries costs nothing.
+- All query heads of a KV group (and, in chunked prefill, all T query tokens) are rows of one
+  [R = T*G, D] matrix per (sequence, KV head): each K/V block is read once for the group.
+- With few rows (decode), scores are an explicit multiply-and-reduce, which XLA CPU fuses with the
+  block's conversion; with many rows (prefill chunks) a dot is far cheaper. `_DOT_ROWS` splits.
+- Masking uses `where`, never multiply-by-zero: slots past a sequence's length and blocks it does
+  not own (the null block 0 included) may hold NaN or inf, and 0 * NaN is NaN.
+
+Quantized pages (int8 / float8_e4m3fn) with per-(token, KV head) scales are dequantized here:
+the K scale multiplies the [R, bs] scores instead of the [bs, D] block, the V scale the
+probabilities, so the block itself is only converted.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels import check_inputs
+
+# Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
+# than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.
+_DOT_ROWS = 16
+# Batch slices processed by independent loops (the machine this was tuned on has 2 cores).
+_SEQ_SPLITS = 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrapper
+# ------------------------------------------------------------------------------------------------
+def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
+                        scale=None, k_scales=None, v_scales=None):
+  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]."""
+  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
+                          k_scales, v_scales, scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel body
+# ------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=('scale',))
+def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                     v_scales, scale):
+  # Independent loops over slices of the batch: XLA CPU runs them concurrently (one per core),
+  # where a single loop's gathers run on one core. Each slice also stops at its own longest
+  # context.
+  batch = q.shape[0]
+  splits = min(_SEQ_SPLITS, batch)
+  bounds = [batch * i // splits for i in range(splits + 1)]
+  outs = [_attend(q[a:b], k_pages, v_pages, block_tables[a:b], context_lens[a:b],
+                  q_positions[a:b], k_scales, v_scales, scale)
+          for a, b in zip(bounds[:-1], bounds[1:])]
+  return outs[0] if splits == 1 else jnp.concatenate(outs, axis=0)
+
+
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _as_bits(pages):
+  """Float pages narrower than 32 bits reinterpreted as unsigned ints (free). XLA CPU gathers
+  integers natively, but upcasts a bfloat16/fp8 operand of a gather to float32 first, and being
+  loop-invariant that conversion is hoisted out of the loop: the whole pool (every layer's, in
+  the model's layer scan) converted on every call."""
+  if jnp.issubdtype(pages.dtype, jnp.floating) and pages.dtype.itemsize < 4:
+    return jax.lax.bitcast_convert_type(pages, _BITS[pages.dtype.itemsize])
+  return pages
+
+
+def _gather_block(pages_bits, block, dtype):
+  """One block of every sequence, [B, Hkv, bs, D], as float32 (`pages_bits` from _as_bits)."""
+  x = pages_bits[block]
+  if dtype == jnp.bfloat16:  # bfloat16 is the top half of a float32: shift, no convert
+    return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+  if x.dtype != dtype:
+    x = jax.lax.bitcast_convert_type(x, dtype)
+  return x.astype(jnp.float32)
+
+
+def _attend(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales,
+            scale):
+  batch, num_q, num_heads, head_dim = q.shape
+  _, num_kv_heads, block_size, _ = k_pages.shape
+  max_blocks = block_tables.shape[1]
+  group = num_heads // num_kv_heads
+  rows = num_q * group
+  use_dot = rows >= _DOT_ROWS
+  f32 = jnp.float32
+
+  # Rows of one KV group, ordered (t, g): [B, Hkv, R, D], pre-scaled once.
+  qg = (q.astype(f32) * scale).reshape(batch, num_q, num_kv_heads, group, head_dim)
+  qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
+  # Tokens each query sees: positions < min(q_position + 1, context_len); 0 for padded queries.
+  seen = jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)  # [B, T]
+  if num_q == 1:  # decode: every row of a group sees the same tokens; keep the mask narrow
+    row_seen = seen[:, None, :, None]  # [B, 1, 1, 1]
+  else:
+    row_seen = jnp.repeat(seen, group, axis=1)[:, None, :, None]  # [B, 1, R, 1]
+  num_steps = jnp.minimum(max_blocks, (jnp.max(seen) + block_size - 1) // block_size)
+
+  k_bits, v_bits = _as_bits(k_pages), _as_bits(v_pages)
+
+  def step(j, carry):
+    m, l, acc = carry  # [B, Hkv, R], [B, Hkv, R], [B, Hkv, R, D]
+    block = block_tables[:, j]  # [B]
+    pos = j * block_size + jnp.arange(block_size)
+    visible = pos[None, None, None, :] < row_seen  # [B, 1, R, bs]
+    in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, bs, 1]
+
+    k = _gather_block(k_bits, block, k_pages.dtype)  # [B, Hkv, bs, D]
+    if use_dot:
+      s = jnp.einsum('bhrd,bhsd->bhrs', qg, k)
+    else:
+      s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, bs]
+    if k_scales is not None:
+      s = s * k_scales[block][:, :, None, :]
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp() stays NaN-free.
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.where(visible, jnp.exp(s - m_shift[..., None]), 0.0)
+    alpha = jnp.exp(m - m_shift)
+    l = l * alpha + jnp.sum(p, axis=-1)
+    if v_scales is not None:
+      p = jnp.where(visible, p * v_scales[block][:, :, None, :], 0.0)
+
+    v = jnp.where(in_context, _gather_block(v_bits, block, v_pages.dtype), 0.0)
+    if use_dot:
+      pv = jnp.einsum('bhrs,bhsd->bhrd', p, v)
+    else:
+      pv = jnp.sum(p[..., None] * v[:, :, None, :, :], axis=-2)  # [B, Hkv, R, D]
+    return m_new, l, acc * alpha[..., None] + pv
+
+  init = (jnp.full((batch, num_kv_heads, rows), -jnp.inf, f32),
+          jnp.zeros((batch, num_kv_heads, rows), f32),
+          jnp.zeros((batch, num_kv_heads, rows, head_dim), f32))
+  _, l, acc = jax.lax.fori_loop(0, num_steps, step, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
+  return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
