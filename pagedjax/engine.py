@@ -1,32 +1,62 @@
-"""The engine: admits requests, runs jitted steps over the paged pool, retires finished ones.
+"""The engine: runs the scheduler's plan for each iteration through jitted steps over the KV pool.
 
-Host side (plain Python, between steps): the block allocator, each sequence's block table, and a
-first-come-first-served schedule. A step either prefills (a chunk of each sequence's uncached
-tokens) or decodes (one token per running sequence); prefill goes first so new requests join
-the decode batch quickly. When the pool cannot hold the next tokens, the newest running sequence
-is preempted by recompute: its blocks are freed and it re-enters the queue, to be prefilled again
-(prompt plus what it already generated) later; greedy outputs do not change.
+Host side (plain Python, between steps): the scheduler (scheduler.py: queues, admission, token
+budget, preemption), the block manager (block_manager.py: paged or contiguous), the host tier
+for swap preemption (swap.py) and the run's metrics (metrics.py). Device side: the KV pool,
+threaded through every jitted call and donated.
+
+One iteration runs one plan:
+  1. one gather of every block swapped out, then one scatter of every block swapped in;
+  2. one jitted call for the prompt chunks, then one for the decodes (one query token each).
+     Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
+     decode row would pay for a whole chunk of query tokens. Every call's shape is bucketed
+     (rows, query tokens, blocks), so a run compiles a handful of times. Chunks go first, so a
+     prompt that finishes samples its first token in the same iteration.
+
+Clock: `clock` is simulated seconds, the measured time of the engine's own iterations with
+compilation excluded (a one-off cost that would otherwise tax whichever run meets more shapes)
+and idle gaps jumped to the next arrival rather than slept. A request submitted with an
+arrival time becomes visible to the scheduler once the clock reaches it.
 """
 import collections
+import heapq
 import math
 import time
-from typing import Dict, List, Optional, Sequence as Seq, Union
+from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import pool as pool_lib
+from pagedjax import quant
 from pagedjax.allocator import BlockAllocator
+from pagedjax.block_manager import BlockManager
+from pagedjax.metrics import Metrics
 from pagedjax.model import DTYPES, ModelConfig
 from pagedjax.sampling import SamplingParams
+from pagedjax.scheduler import Scheduler
 from pagedjax.sequence import Completion, Sequence, Status
 from pagedjax.step_inputs import RowSpec, build_step_inputs, power_of_two_buckets
 from pagedjax.steps import CompiledStep
+from pagedjax.swap import HostTier
 
 
 class RequestError(ValueError):
-  """A request rejected at admission; the engine and its other requests are unaffected."""
+  """A request rejected at submission; the engine and its other requests are unaffected."""
+
+
+def _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant, max_batch_size,
+               preemption):
+  """The empty pool: plain kv_dtype storage, or a quantized one (quant.py)."""
+  kv_dtype = kv_dtype or model_cfg.dtype
+  if kv_quant is None and kv_dtype not in DTYPES:
+    kv_quant = quant.KVQuantConfig(kv_dtype)  # a quantized storage named by kv_dtype alone
+  if kv_quant and kv_quant.recent_window and preemption == 'swap':
+    raise ValueError('swap preemption does not carry a recent-window pool\'s per-lane rings '
+                     '(quant.py): use preemption=\'recompute\', which rebuilds them')
+  # A recent window keeps one ring lane per running sequence: lanes 1..max_batch_size.
+  return pool_lib.init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads,
+                            block_size, model_cfg.head_dim, DTYPES.get(kv_dtype),
+                            kv_quant=kv_quant, max_sequences=max_batch_size)
 
 
 class Engine:
@@ -36,8 +66,19 @@ class Engine:
                max_seq_len: Optional[int] = None, attention_impl: str = 'reference',
                kv_dtype: Optional[str] = None, eos_id: Optional[int] = None, tokenizer=None,
                record_logits: bool = False, step_fn: Optional[CompiledStep] = None,
-               shuffle_blocks_seed: Optional[int] = None):
-    """step_fn lets engines of the same model share compiled steps (tests, sweeps)."""
+               shuffle_blocks_seed: Optional[int] = None, pool_kind: str = 'paged',
+               preemption: str = 'recompute', watermark: float = 0.01,
+               max_num_batched_tokens: Optional[int] = None, swap_blocks: Optional[int] = None,
+               kv_quant: Optional[quant.KVQuantConfig] = None,
+               timer: Callable[[], float] = time.perf_counter):
+    """step_fn lets engines of the same model share compiled steps (tests, sweeps).
+
+    pool_kind: 'paged' or 'contiguous' (block_manager.py). preemption: 'recompute' or 'swap'.
+    watermark: share of the pool's blocks paged admission keeps free. max_num_batched_tokens:
+    query tokens per iteration (default: a full chunk for every row). swap_blocks: host tier
+    size (default: as many blocks as the pool). kv_quant: the pool's storage (quant.py;
+    default: plain kv_dtype). timer: the clock's source (tests inject one).
+    """
     self.cfg = model_cfg
     self.params = params
     self.block_size = block_size
@@ -46,34 +87,68 @@ class Engine:
     self.max_seq_len = min(max_seq_len or model_cfg.max_seq_len, model_cfg.max_seq_len)
     self.eos_id = eos_id
     self.tokenizer = tokenizer
+    self.pool_kind, self.preemption = pool_kind, preemption
 
     self.allocator = BlockAllocator(num_blocks, shuffle_seed=shuffle_blocks_seed)
-    self.pool = pool_lib.init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads,
-                                   block_size, model_cfg.head_dim,
-                                   DTYPES[kv_dtype or model_cfg.dtype])
+    self.blocks = BlockManager(self.allocator, block_size, pool_kind, self.max_seq_len,
+                               watermark_blocks=int(watermark * (num_blocks - 1)))
+    self.pool = _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant,
+                           max_batch_size, preemption)
+    self._free_lanes = list(range(max_batch_size, 0, -1))  # see _assign_lanes
+    self.tier = None
+    if preemption == 'swap':
+      self.tier = HostTier(self.pool, swap_blocks or num_blocks - 1)
+    self.scheduler = Scheduler(
+        self.blocks, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+        max_num_batched_tokens=max_num_batched_tokens or max_batch_size * prefill_chunk,
+        preemption=preemption, host_allocator=self.tier and self.tier.allocator)
     self.step_fn = step_fn or CompiledStep(model_cfg, attention_impl, record_logits)
     self.record_logits = self.step_fn.return_logits
     max_blocks_per_seq = math.ceil(self.max_seq_len / block_size)
     self.batch_buckets = power_of_two_buckets(max_batch_size)
-    # Coarse buckets keep compilations few (each costs ~1 s on CPU even for a tiny model):
-    # decode rows are 1 token, prefill chunks at least 16, block tables cover >= 256 tokens.
-    self.token_buckets = [1] + power_of_two_buckets(prefill_chunk, min(16, prefill_chunk))
+    # Decode calls start at 8 rows: fewer rows only happen at a run's start and tail, and a
+    # padded decode row costs little next to a compilation.
+    self.decode_batch_buckets = power_of_two_buckets(max_batch_size, min(8, max_batch_size))
+    # Coarse buckets keep compilations few (each costs seconds on this CPU even for a tiny
+    # model, and the shapes multiply): decode rows are 1 token; prompt chunks are padded to a
+    # whole chunk (chunk calls are a small share of a serving run's calls, and each chunk
+    # bucket would multiply the row and table buckets); block tables cover >= 256 tokens.
+    self.token_buckets = sorted({1, prefill_chunk})
     self.block_buckets = power_of_two_buckets(
         max_blocks_per_seq, min(math.ceil(256 / block_size), max_blocks_per_seq))
 
-    self.waiting: collections.deque = collections.deque()
-    self.running: List[Sequence] = []
+    self.clock = 0.0
+    self._timer = timer
+    self._pending: list = []  # heap of (arrival_time, request_id, Sequence) not yet visible
+    self._live: Dict[int, Sequence] = {}
     self.finished: Dict[int, Completion] = {}
     self._logits: Dict[int, list] = collections.defaultdict(list)
     self._next_id = 0
+    self.metrics = Metrics(block_size, num_blocks)
     self.stats = collections.Counter()
     self.peak_blocks_used = 0
     self.utilization_at_peak = 0.0
 
-  # ---- admission -------------------------------------------------------------------------
+  @property
+  def waiting(self) -> List[Sequence]:
+    return self.scheduler.waiting
 
-  def submit(self, prompt: Union[str, Seq[int]], params: SamplingParams = SamplingParams()) -> int:
-    """Validate and queue a request; raises RequestError naming what is wrong."""
+  @property
+  def running(self) -> List[Sequence]:
+    return self.scheduler.running
+
+  @property
+  def swapped(self) -> List[Sequence]:
+    return self.scheduler.swapped
+
+  # ---- submission ------------------------------------------------------------------------
+
+  def submit(self, prompt: Union[str, Seq[int]], params: SamplingParams = SamplingParams(),
+             arrival_time: Optional[float] = None) -> int:
+    """Validate and queue a request; raises RequestError naming what is wrong.
+
+    arrival_time (engine-clock seconds, default now): the scheduler sees it from then on.
+    """
     if isinstance(prompt, str):
       if self.tokenizer is None:
         raise RequestError('a text prompt needs an engine built with a tokenizer')
@@ -94,106 +169,129 @@ class Engine:
     except ValueError as e:
       raise RequestError(str(e)) from None
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
-    if math.ceil(longest / self.block_size) > self.allocator.num_blocks - 1:
+    if self.blocks.blocks_for(longest) > self.allocator.num_blocks - 1:
       raise RequestError(
-          f'request needs up to {math.ceil(longest / self.block_size)} blocks of '
+          f'request needs up to {self.blocks.blocks_for(longest)} blocks of '
           f'{self.block_size} tokens ({longest} tokens) but the pool has only '
           f'{self.allocator.num_blocks - 1}: it can never fit')
-    seq = Sequence(self._next_id, [int(t) for t in prompt], params)
+    arrival = self.clock if arrival_time is None else float(arrival_time)
+    seq = Sequence(self._next_id, [int(t) for t in prompt], params, arrival_time=arrival,
+                   status=Status.PENDING)
     self._next_id += 1
-    self.waiting.append(seq)
+    self._live[seq.request_id] = seq
+    heapq.heappush(self._pending, (arrival, seq.request_id, seq))
+    self._release_arrivals()
     return seq.request_id
 
-  def _admit(self):
-    """FCFS: admit from the head of the queue while batch slots and blocks for the uncached
-    tokens allow; never skip ahead of a request that does not fit yet."""
-    while self.waiting and len(self.running) < self.max_batch_size:
-      seq = self.waiting[0]
-      if not self.allocator.can_allocate(self._blocks_short(seq, seq.num_tokens)):
-        break
-      self.waiting.popleft()
-      seq.status = Status.RUNNING
-      self.running.append(seq)
+  def _release_arrivals(self):
+    while self._pending and self._pending[0][0] <= self.clock:
+      self.scheduler.add(heapq.heappop(self._pending)[2])
 
-  # ---- blocks ----------------------------------------------------------------------------
-
-  def _blocks_short(self, seq: Sequence, num_tokens: int) -> int:
-    return max(0, math.ceil(num_tokens / self.block_size) - len(seq.block_table))
-
-  def _preempt(self, seq: Sequence):
-    """Recompute preemption: drop the cache, keep the tokens, requeue at the front."""
-    self.allocator.free(seq.block_table)
-    seq.block_table, seq.num_cached = [], 0
-    seq.status = Status.WAITING
-    seq.num_preemptions += 1
-    self.stats['preemptions'] += 1
-    self.running.remove(seq)
-    self.waiting.appendleft(seq)
-
-  def _reserve(self, rows: List[Sequence], counts: Dict[int, int]) -> List[Sequence]:
-    """Give every row blocks for its next tokens, preempting the newest sequences if needed."""
-    kept = list(rows)
-    for seq in rows:
-      if seq not in kept:
-        continue
-      need = self._blocks_short(seq, seq.num_cached + counts[seq.request_id])
-      while not self.allocator.can_allocate(need):
-        victim = self.running[-1]
-        self._preempt(victim)
-        if victim in kept:
-          kept.remove(victim)
-        if victim is seq:
-          break
-      if seq in kept:
-        seq.block_table += self.allocator.allocate(need)
-    return kept
-
-  # ---- stepping --------------------------------------------------------------------------
+  # ---- one iteration ---------------------------------------------------------------------
 
   def step(self) -> List[Completion]:
     """One scheduling iteration; returns the requests that finished in it."""
-    self._admit()
-    if not self.running:
+    start = self._timer()
+    if not self.scheduler.has_work() and self._pending:
+      self.clock = max(self.clock, self._pending[0][0])  # idle until the next arrival
+    self._release_arrivals()
+    if not self.scheduler.has_work():
       return []
-    prefilling = [s for s in self.running if s.num_pending > 1]
-    rows = prefilling or list(self.running)
-    counts = {s.request_id: min(s.num_pending, self.prefill_chunk) for s in rows}
-    rows = self._reserve(rows, counts)
-    if not rows:
-      return []
+    plan = self.scheduler.schedule()
+    self._assign_lanes(plan)
+    timing = collections.Counter()
+    if plan.swap_out:
+      self.stats['swapped_out_blocks'] += self._timed(timing, self.tier.swap_out, self.pool,
+                                                      plan.swap_out)
+    if plan.swap_in:
+      self.pool = self._timed(timing, self.tier.swap_in, self.pool, plan.swap_in)
+      self.stats['swapped_in_blocks'] += sum(len(src) for src, _ in plan.swap_in)
+    for seq, policy in plan.preempted:
+      self.stats['preemptions'] += 1
+      self.stats[f'preemptions_{policy}'] += 1
 
-    specs = []
-    for seq in rows:
-      n = counts[seq.request_id]
-      p = seq.params
-      specs.append(RowSpec(seq.all_ids[seq.num_cached:seq.num_cached + n], seq.num_cached,
-                           seq.block_table, p.temperature, p.top_k, p.top_p, p.seed,
-                           len(seq.output_ids)))
-    inputs = build_step_inputs(specs, self.block_size, self.batch_buckets, self.token_buckets,
-                               self.block_buckets)
-    t0 = time.perf_counter()
-    out = self.step_fn(self.params, self.pool, inputs)
-    self.pool, tokens = out[0], np.asarray(out[1])
-    self.stats['device_seconds'] += time.perf_counter() - t0
+    chunks = [(s, n) for s, n in plan.rows if n > 1]
+    decodes = [(s, n) for s, n in plan.rows if n == 1]
+    sampled = []
+    for rows, kind in ((chunks, 'prefill'), (decodes, 'decode')):
+      if rows:
+        sampled += self._run(rows, kind, timing)
+        self.stats[f'{kind}_steps'] += 1
     self.stats['steps'] += 1
-    self.stats['prefill_steps' if prefilling else 'decode_steps'] += 1
-    logits = np.asarray(out[2]) if self.record_logits else None
-
-    for seq in rows:
-      seq.num_cached += counts[seq.request_id]
     self._track_memory()
+
+    now = self.clock + self._timer() - start - timing['compile']
     done = []
-    for i, seq in enumerate(rows):
-      if seq.num_pending:
-        continue  # mid-prompt chunk: nothing sampled yet
-      seq.output_ids.append(int(tokens[i]))
+    for seq, token, logits in sampled:
+      seq.output_ids.append(token)
       self.stats['generated_tokens'] += 1
       if logits is not None:
-        self._logits[seq.request_id].append(logits[i])
+        self._logits[seq.request_id].append(logits)
+      if seq.first_token_time is None:
+        seq.first_token_time = now
       reason = self._finish_reason(seq)
       if reason:
-        done.append(self._retire(seq, reason))
-    return done
+        done.append((seq, reason))
+    self.metrics.record_step(
+        t=now, running=self.running, num_waiting=len(self.waiting),
+        num_swapped=len(self.swapped), free_blocks=self.allocator.num_free,
+        memory_blocked=plan.memory_blocked, prefill_tokens=sum(n for _, n in chunks),
+        decode_tokens=len(decodes), host_s=now - self.clock - timing['device'],
+        device_s=timing['device'], compile_s=timing['compile'])
+    completions = [self._retire(seq, reason, now) for seq, reason in done]
+    self.stats['device_seconds'] += timing['device']
+    self.stats['compile_seconds'] += timing['compile']
+    self.clock = now
+    return completions
+
+  def _assign_lanes(self, plan):
+    """Preempted sequences give their lane back; running ones without a lane take one."""
+    for seq, _ in plan.preempted:
+      self._release_lane(seq)
+    for seq in self.running:
+      if not seq.lane:
+        seq.lane = self._free_lanes.pop()
+
+  def _release_lane(self, seq):
+    if seq.lane:
+      self._free_lanes.append(seq.lane)
+      seq.lane = 0
+
+  def _timed(self, timing, fn, *args):
+    """Runs a device call (which must block on its result), charging compile or device time."""
+    before = self.num_compilations
+    t0 = self._timer()
+    out = fn(*args)
+    compiled = self.num_compilations - before
+    self.stats['compilations'] += compiled
+    timing['compile' if compiled else 'device'] += self._timer() - t0
+    return out
+
+  def _run(self, rows, kind, timing) -> list:
+    """One jitted call over rows of (seq, tokens to feed); returns (seq, token, logits) for the
+    rows whose prompt or decode token is now fully cached, i.e. that sample."""
+    specs = []
+    for seq, n in rows:
+      start, p = seq.num_cached, seq.params
+      specs.append(RowSpec(seq.all_ids[start:start + n], start,
+                           self.blocks.visible_table(seq, start + n), p.temperature, p.top_k,
+                           p.top_p, p.seed, len(seq.output_ids), seq.lane))
+    batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
+    inputs = build_step_inputs(specs, self.block_size, batch_buckets, self.token_buckets,
+                               self.block_buckets)
+
+    def call():
+      out = self.step_fn(self.params, self.pool, inputs)
+      logits = np.asarray(out[2]) if self.record_logits else None
+      return out[0], np.asarray(out[1]), logits
+
+    self.pool, tokens, logits = self._timed(timing, call)
+    sampled = []
+    for i, (seq, n) in enumerate(rows):
+      seq.num_cached += n
+      if not seq.num_pending:  # not a mid-prompt chunk
+        sampled.append((seq, int(tokens[i]), None if logits is None else logits[i]))
+    return sampled
 
   def _finish_reason(self, seq: Sequence) -> Optional[str]:
     if seq.params.stop_on_eos and self.eos_id is not None and seq.output_ids[-1] == self.eos_id:
@@ -204,21 +302,23 @@ class Engine:
       return 'max_seq_len'
     return None
 
-  def _retire(self, seq: Sequence, reason: str) -> Completion:
-    self.allocator.free(seq.block_table)
-    seq.block_table = []
-    seq.status, seq.finish_reason = Status.FINISHED, reason
-    self.running.remove(seq)
+  def _retire(self, seq: Sequence, reason: str, now: float) -> Completion:
+    self.scheduler.finish(seq)
+    self._release_lane(seq)
+    seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, now
+    del self._live[seq.request_id]
     text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else None
-    done = Completion(seq.request_id, seq.prompt_ids, seq.output_ids, reason,
-                      seq.num_preemptions, text, self._logits.pop(seq.request_id, None))
+    done = Completion(seq.request_id, seq.prompt_ids, seq.output_ids, seq.finish_reason,
+                      seq.num_preemptions, text, self._logits.pop(seq.request_id, None),
+                      seq.arrival_time, seq.first_token_time, now)
     self.finished[seq.request_id] = done
+    self.metrics.record_finish(done)
     return done
 
   def _track_memory(self):
-    """Called after each step's writes, before frees. Utilization = cached tokens / slots of
-    allocated blocks; `utilization_at_peak` is taken at the last step holding the peak block
-    count (sequences there are as full as they get before one retires)."""
+    """Called after each iteration's writes, before frees. Utilization = cached tokens / slots of
+    allocated blocks; `utilization_at_peak` is taken at the last iteration holding the peak
+    block count (sequences there are as full as they get before one retires)."""
     used = self.allocator.num_used
     util = sum(s.num_cached for s in self.running) / max(used * self.block_size, 1)
     self.stats['utilization_sum'] += util
@@ -228,29 +328,44 @@ class Engine:
 
   @property
   def mean_utilization(self) -> float:
-    """Step-averaged KV utilization."""
+    """Iteration-averaged KV utilization."""
     return self.stats['utilization_sum'] / max(self.stats['steps'], 1)
 
   # ---- driving ---------------------------------------------------------------------------
 
   def has_work(self) -> bool:
-    return bool(self.waiting or self.running)
+    return bool(self._pending) or self.scheduler.has_work()
 
   def run(self) -> List[Completion]:
-    """Step until every queued request has finished; completions in submission order."""
-    ids = [s.request_id for s in self.waiting] + [s.request_id for s in self.running]
+    """Step until every submitted request has finished; completions in submission order."""
+    ids = sorted(self._live)
     while self.has_work():
       self.step()
-    return [self.finished[i] for i in sorted(ids)]
+    return [self.finished[i] for i in ids]
 
   def generate(self, prompts, params: SamplingParams = SamplingParams()) -> List[Completion]:
     for prompt in prompts:
       self.submit(prompt, params)
     return self.run()
 
+  def summary(self) -> dict:
+    """The run's figures (metrics.py) with the engine's own counters."""
+    out = self.metrics.summary()
+    out.update({k: self.stats[k] for k in (
+        'preemptions', 'preemptions_recompute', 'preemptions_swap', 'swapped_out_blocks',
+        'swapped_in_blocks')})
+    out.update(pool_kind=self.pool_kind, preemption=self.preemption,
+               block_size=self.block_size, num_blocks=self.allocator.num_blocks,
+               kv_bytes_per_token=self.kv_bytes_per_token, kv_pool_bytes=self.pool.nbytes,
+               peak_blocks_used=self.peak_blocks_used,
+               kv_utilization_at_peak=self.utilization_at_peak,
+               num_compilations=self.stats['compilations'])  # this engine's, not step_fn's
+    return out
+
   @property
   def num_compilations(self) -> int:
-    return self.step_fn.num_compilations
+    """Compilations of the (possibly shared) step and copy programs, all engines included."""
+    return self.step_fn.num_compilations + (self.tier.num_compilations if self.tier else 0)
 
   @property
   def kv_bytes_per_token(self) -> int:

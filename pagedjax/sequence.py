@@ -7,8 +7,10 @@ from pagedjax.sampling import SamplingParams
 
 
 class Status(enum.Enum):
-  WAITING = 'waiting'
-  RUNNING = 'running'
+  PENDING = 'pending'  # submitted, but its arrival time has not come yet
+  WAITING = 'waiting'  # visible to the scheduler, holds no blocks
+  RUNNING = 'running'  # holds device blocks, takes part in steps
+  SWAPPED = 'swapped'  # preempted by swap: its cached K/V sit in the host tier
   FINISHED = 'finished'
 
 
@@ -17,12 +19,22 @@ class Sequence:
   request_id: int
   prompt_ids: List[int]
   params: SamplingParams
+  arrival_time: float = 0.0  # engine clock seconds; FCFS order is (arrival_time, request_id)
   output_ids: List[int] = dataclasses.field(default_factory=list)
   block_table: List[int] = dataclasses.field(default_factory=list)
-  num_cached: int = 0  # leading tokens whose K/V are in the pool
+  host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
+  num_cached: int = 0  # leading tokens whose K/V are in the pool (or, swapped, in the host tier)
+  lane: int = 0  # recent-window lane while running (pool.py); 0 = none
   status: Status = Status.WAITING
   finish_reason: Optional[str] = None  # 'eos' | 'length' | 'max_seq_len'
   num_preemptions: int = 0
+  first_token_time: Optional[float] = None
+  finish_time: Optional[float] = None
+
+  @property
+  def order(self):
+    """FCFS priority: earlier arrivals first; preemption takes the last."""
+    return (self.arrival_time, self.request_id)
 
   @property
   def all_ids(self) -> List[int]:
@@ -48,3 +60,6 @@ class Completion:
   num_preemptions: int = 0
   text: Optional[str] = None
   logits: Optional[list] = None  # per generated token, [V] float32 (only when recorded)
+  arrival_time: float = 0.0  # engine clock seconds, like the two below
+  first_token_time: Optional[float] = None
+  finish_time: Optional[float] = None

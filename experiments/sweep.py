@@ -1,0 +1,166 @@
+"""Run every point of a config's sweep, skipping points already done; tabulate and plot.
+
+  python -m experiments.sweep --config=configs/ablate_block_size.py --workdir=runs/block_size
+  python -m experiments.sweep --config=configs/ablate_block_size.py:tiny --workdir=/tmp/bs
+
+A sweep config is an experiment config plus
+  config.job    the per-point job: a key of experiments.jobs.JOBS or 'package.module:function'
+  config.sweep  a list of points, each a dict of dotted overrides of the base config, e.g.
+                {'pool.block_size': 16, 'pool.num_blocks': 1025}
+  config.plot   (optional) x: a swept key; y: figures to plot, one panel each; group: a swept
+                key drawn as separate lines; logx: bool
+Each point is the base config with its overrides applied, validated, then run; its row (the
+overrides, then the job's figures) is appended to WORKDIR/results.jsonl the moment it is done,
+so an interrupted sweep resumes where it stopped: a rerun skips every point whose overrides and
+base config (everything but sweep and plot) match a stored row. Afterwards it writes
+results.csv and summary.json (all rows, in sweep order) and, with config.plot, plot.png.
+Each point's job may leave files in WORKDIR/points/<name>/.
+"""
+import csv
+import hashlib
+import json
+import os
+import re
+from typing import Callable, List, Optional
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+import tqdm
+
+from experiments import jobs
+from pagedjax import run_info
+from pagedjax.config import ConfigError, validate_config
+
+SWEEP_FIELDS = ('sweep', 'plot')
+
+
+def base_config(config):
+  """The config without its sweep description: what every point starts from."""
+  base = config.copy_and_resolve_references()
+  with base.unlocked():
+    for name in SWEEP_FIELDS:
+      if name in base:
+        del base[name]
+  return base
+
+
+def config_hash(config) -> str:
+  text = json.dumps(base_config(config).to_dict(), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def point_key(point: dict) -> str:
+  return json.dumps(point, sort_keys=True)
+
+
+def point_name(point: dict) -> str:
+  """A directory name for a point: 'pool.block_size=16,pool.num_blocks=1025'."""
+  return re.sub(r'[^A-Za-z0-9_.=,+-]', '_', ','.join(f'{k}={v}' for k, v in point.items()))
+
+
+def apply_point(config, point: dict):
+  """The base config with the point's dotted overrides; unknown fields are an error."""
+  cfg = base_config(config)
+  for dotted, value in point.items():
+    *path, leaf = dotted.split('.')
+    node = cfg
+    for name in path:
+      if name not in node:
+        raise ConfigError(f'sweep point {point}: config has no field {dotted!r}')
+      node = node[name]
+    if leaf not in node:
+      raise ConfigError(f'sweep point {point}: config has no field {dotted!r}')
+    node[leaf] = value
+  return cfg
+
+
+def load_rows(path: str) -> List[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def run_sweep(config, workdir: str, job: Optional[Callable] = None) -> List[dict]:
+  """Runs the missing points; returns every point's row in sweep order."""
+  points = [dict(p) for p in config.sweep]
+  if not points:
+    raise ConfigError('config.sweep is empty: list at least one point of dotted overrides')
+  job = job or jobs.get_job(config.job)
+  configs = [validate_config(apply_point(config, p)) for p in points]  # fail before any run
+  os.makedirs(workdir, exist_ok=True)
+  results = os.path.join(workdir, 'results.jsonl')
+  digest = config_hash(config)
+  done = {r['point']: r for r in load_rows(results) if r.get('config_hash') == digest}
+  todo = [(p, c) for p, c in zip(points, configs) if point_key(p) not in done]
+  if len(todo) < len(points):
+    print(f'{len(points) - len(todo)} of {len(points)} points already in {results}: skipped')
+  for point, cfg in tqdm.tqdm(todo, desc='sweep', unit='point'):
+    figures = job(cfg, os.path.join(workdir, 'points', point_name(point)))
+    row = {'point': point_key(point), 'config_hash': digest, **point, **figures}
+    with open(results, 'a') as f:
+      f.write(json.dumps(row, default=str) + '\n')
+    done[row['point']] = row
+  rows = [done[point_key(p)] for p in points]
+  write_csv(os.path.join(workdir, 'results.csv'), rows)
+  if config.get('plot'):
+    plot(os.path.join(workdir, 'plot.png'), rows, config.plot)
+  run_info.write_json(os.path.join(workdir, 'summary.json'), {
+      'job': config.job, 'points': len(points), 'config_hash': digest, 'rows': rows,
+      'config': config.to_dict(), **run_info.environment()})
+  return rows
+
+
+def write_csv(path: str, rows: List[dict]) -> None:
+  """Scalar columns only, in first-seen order (timelines and lists stay in results.jsonl)."""
+  columns = []
+  for row in rows:
+    columns += [k for k, v in row.items() if k not in columns and not isinstance(v, (list, dict))]
+  with open(path, 'w', newline='') as f:
+    writer = csv.DictWriter(f, columns, extrasaction='ignore')
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot(path: str, rows: List[dict], spec) -> None:
+  """One panel per figure in spec.y against spec.x, a line per value of spec.group."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  ys = list(spec.y)
+  group = spec.get('group')
+  fig, axes = plt.subplots(1, len(ys), figsize=(4.5 * len(ys), 3.6), squeeze=False)
+  groups = sorted({r.get(group) for r in rows}, key=str) if group else [None]
+  for ax, y in zip(axes[0], ys):
+    for g in groups:
+      sel = [r for r in rows if group is None or r.get(group) == g]
+      pts = sorted((r[spec.x], r[y]) for r in sel if r.get(y) is not None)
+      if pts:
+        ax.plot(*zip(*pts), marker='o', label=None if g is None else f'{group}={g}')
+    if spec.get('logx'):
+      ax.set_xscale('log', base=2)
+    ax.set_xlabel(spec.x)
+    ax.set_title(y)
+    ax.grid(alpha=0.3)
+    if group:
+      ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  config, workdir = flags.FLAGS['config'].value, flags.FLAGS.workdir
+  if config is None:
+    raise app.UsageError('--config=configs/FILE.py is required')
+  rows = run_sweep(config, workdir)
+  print(f'{len(rows)} points: {workdir}/results.jsonl, results.csv, summary.json')
+
+
+if __name__ == '__main__':
+  # Defined here, not at import, so other entry points (reproduce_memory) can use run_sweep.
+  config_flags.DEFINE_config_file('config', None, 'Sweep config.', lock_config=False)
+  flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
+  app.run(main)

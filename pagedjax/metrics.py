@@ -1,0 +1,123 @@
+"""Per-run serving metrics: KV memory use over time, where the rest went, latency, throughput.
+
+Memory is sampled once per iteration, after the iteration's writes and before finished requests
+free their blocks (each sequence is then as full as it gets). Slots of the pool (block 0, the
+null block, excluded) fall in exactly one of:
+  token_states            slots holding a real token's K/V
+  internal_fragmentation  the unused tail of each sequence's last written block
+  reservation             blocks a sequence holds but has not written yet: a contiguous
+                          sequence's max_seq_len reservation, or a paged prompt's later chunks
+  free_unusable           free slots while the waiting head was refused for lack of blocks
+                          (too few for its reservation or prompt, or under the watermark)
+  free_idle               other free slots: nothing was waiting for them
+Run figures are sums over iterations (each iteration is one state of the pool), so
+`kv_utilization` = sum token_states / sum reserved slots, reserved being the first three: the
+share of the memory handed to sequences that holds token states, the figure the vLLM paper
+reports (20.4-38.2% for prior systems, ~96% paged).
+
+Times are engine-clock seconds (see engine.py: wall time of the engine's work, compilation
+excluded, idle gaps jumped). Latency figures: TTFT = first token - arrival; TPOT (time per
+output token) = (finish - first token) / (outputs - 1) per request; normalized latency =
+(finish - arrival) / outputs, the vLLM paper's serving metric.
+"""
+import collections
+from typing import Dict, List, Optional, Sequence as Seq
+
+import numpy as np
+
+from pagedjax.sequence import Completion, Sequence
+
+WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle')
+
+
+def slot_usage(seqs: Seq[Sequence], block_size: int) -> Dict[str, int]:
+  """Slots of the given sequences' blocks, split into token states, tail, and reservation."""
+  used = sum(s.num_cached for s in seqs)
+  written = sum(-(-s.num_cached // block_size) * block_size for s in seqs)
+  reserved = sum(len(s.block_table) * block_size for s in seqs)
+  return {'token_states': used, 'internal_fragmentation': written - used,
+          'reservation': reserved - written}
+
+
+def percentile(values, q) -> Optional[float]:
+  return float(np.percentile(values, q)) if len(values) else None
+
+
+class Metrics:
+
+  def __init__(self, block_size: int, num_blocks: int):
+    self.block_size = block_size
+    self.capacity = (num_blocks - 1) * block_size
+    self.steps: Dict[str, List[float]] = collections.defaultdict(list)
+    self.requests: List[Completion] = []
+
+  def record_step(self, *, t: float, running: Seq[Sequence], num_waiting: int,
+                  num_swapped: int, free_blocks: int, memory_blocked: bool,
+                  prefill_tokens: int, decode_tokens: int, host_s: float, device_s: float,
+                  compile_s: float) -> None:
+    usage = slot_usage(running, self.block_size)
+    free = free_blocks * self.block_size
+    usage['free_unusable'] = free if memory_blocked else 0
+    usage['free_idle'] = free - usage['free_unusable']
+    if sum(usage.values()) != self.capacity:  # a leaked or doubly held block
+      raise RuntimeError(f'slot accounting {usage} does not add up to the pool\'s '
+                         f'{self.capacity} slots')
+    row = dict(usage, t=t, running=len(running), waiting=num_waiting, swapped=num_swapped,
+               prefill_tokens=prefill_tokens, decode_tokens=decode_tokens, host_s=host_s,
+               device_s=device_s, compile_s=compile_s)
+    for key, value in row.items():
+      self.steps[key].append(value)
+
+  def record_finish(self, completion: Completion) -> None:
+    self.requests.append(completion)
+
+  def timeline(self) -> Dict[str, list]:
+    """Per-iteration series, plus utilization = token states / reserved slots."""
+    out = {k: list(v) for k, v in self.steps.items()}
+    reserved = self._reserved()
+    out['kv_utilization'] = [u / r if r else None for u, r in
+                             zip(out.get('token_states', []), reserved)]
+    return out
+
+  def _reserved(self) -> np.ndarray:
+    return sum(np.asarray(self.steps[k], float) for k in WASTE[:3])
+
+  def summary(self) -> dict:
+    s = {k: np.asarray(v, float) for k, v in self.steps.items()}
+    n = len(s.get('t', []))
+    out = {'iterations': n}
+    if n:
+      reserved = self._reserved().sum()
+      out['kv_utilization'] = float(s['token_states'].sum() / reserved) if reserved else None
+      for key in WASTE:  # shares of the pool, averaged over iterations
+        out[f'kv_{key}'] = float(s[key].sum() / (self.capacity * n))
+      out.update(
+          peak_concurrent_sequences=int(s['running'].max()),
+          mean_concurrent_sequences=float(s['running'].mean()),
+          peak_kv_slots_reserved=int(self._reserved().max()),
+          host_s_per_step=float(s['host_s'].mean()),
+          device_s_per_step=float(s['device_s'].mean()),
+          compile_s=float(s['compile_s'].sum()))
+    out.update(self._request_figures())
+    return out
+
+  def _request_figures(self) -> dict:
+    reqs = self.requests
+    generated = sum(len(c.output_ids) for c in reqs)
+    out = {'finished_requests': len(reqs), 'generated_tokens': generated}
+    if not reqs:
+      return out
+    start = min(c.arrival_time for c in reqs)
+    duration = max(c.finish_time for c in reqs) - start
+    ttft = [c.first_token_time - c.arrival_time for c in reqs]
+    tpot = [(c.finish_time - c.first_token_time) / (len(c.output_ids) - 1)
+            for c in reqs if len(c.output_ids) > 1]
+    norm = [(c.finish_time - c.arrival_time) / len(c.output_ids) for c in reqs]
+    out.update(
+        duration_s=duration,
+        generated_tokens_per_s=generated / duration if duration > 0 else None,
+        requests_per_s=len(reqs) / duration if duration > 0 else None,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
+        normalized_latency_s=float(np.mean(norm)))
+    return out

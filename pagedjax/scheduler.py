@@ -1,0 +1,172 @@
+"""Continuous batching on the host: which sequences run in this iteration, with how many tokens.
+
+Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order):
+  waiting  visible requests holding no blocks (new, or preempted by recompute)
+  running  sequences holding device blocks
+  swapped  sequences preempted by swap; their cached K/V sit in the host tier
+
+`schedule()` plans one iteration (the order follows vLLM's scheduler):
+  1. Every running sequence that is decoding gets a slot for its next token. When the pool is out
+     of blocks, the newest running sequence is preempted (by `recompute` or `swap`) until it fits;
+     the oldest always progress, so the run cannot livelock.
+  2. If nothing was preempted, swapped sequences come back in FCFS order while blocks allow.
+  3. If nothing was preempted and none is swapped (they arrived first), waiting requests are
+     admitted in FCFS order while batch rows, the token budget and blocks allow, keeping a
+     watermark of free blocks for running sequences to grow into. A head that does not fit blocks
+     the queue: no request skips ahead of an older one.
+  4. Token budget: every decode costs one token and always fits (the budget is at least the batch
+     size); what is left goes to prompt chunks (at most prefill_chunk tokens each) in FCFS order.
+     A prompt's blocks are allocated whole at admission, so a sequence mid-prompt never needs
+     more blocks and never preempts anyone.
+The plan is pure host bookkeeping; the engine runs it (copies for swaps, then the jitted steps).
+"""
+import dataclasses
+from typing import List, Optional, Tuple
+
+from pagedjax.allocator import BlockAllocator
+from pagedjax.block_manager import BlockManager
+from pagedjax.sequence import Sequence, Status
+
+PREEMPTION_POLICIES = ('recompute', 'swap')
+
+
+@dataclasses.dataclass
+class Plan:
+  """One iteration's work, in the order the engine must do it."""
+  swap_out: List[Tuple[List[int], List[int]]] = dataclasses.field(default_factory=list)
+  swap_in: List[Tuple[List[int], List[int]]] = dataclasses.field(default_factory=list)
+  rows: List[Tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (seq, tokens)
+  preempted: List[Tuple[Sequence, str]] = dataclasses.field(default_factory=list)  # (seq, policy)
+  memory_blocked: bool = False  # the waiting head found too few free blocks to be admitted
+
+
+def _insert(queue: List[Sequence], seq: Sequence) -> None:
+  """Insert keeping FCFS order (queues are short; a sort is the clearest way)."""
+  queue.append(seq)
+  queue.sort(key=lambda s: s.order)
+
+
+class Scheduler:
+
+  def __init__(self, blocks: BlockManager, *, max_batch_size: int, max_num_batched_tokens: int,
+               prefill_chunk: int, preemption: str = 'recompute',
+               host_allocator: Optional[BlockAllocator] = None):
+    """host_allocator: bookkeeping of the host tier's blocks (swap preemption only)."""
+    if preemption not in PREEMPTION_POLICIES:
+      raise ValueError(f'preemption {preemption!r} is not allowed: one of {PREEMPTION_POLICIES}')
+    if preemption == 'swap' and host_allocator is None:
+      raise ValueError('swap preemption needs a host tier (host_allocator)')
+    if max_num_batched_tokens < max_batch_size:
+      raise ValueError(f'max_num_batched_tokens={max_num_batched_tokens} is not allowed: at '
+                       f'least max_batch_size={max_batch_size}, so every decode fits a step')
+    self.blocks = blocks
+    self.max_batch_size = max_batch_size
+    self.max_num_batched_tokens = max_num_batched_tokens
+    self.prefill_chunk = prefill_chunk
+    self.preemption = preemption
+    self.host = host_allocator
+    self.waiting: List[Sequence] = []
+    self.running: List[Sequence] = []
+    self.swapped: List[Sequence] = []
+
+  def add(self, seq: Sequence) -> None:
+    seq.status = Status.WAITING
+    _insert(self.waiting, seq)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running or self.swapped)
+
+  def finish(self, seq: Sequence) -> None:
+    self.running.remove(seq)
+    self.blocks.deallocate(seq)
+
+  # ---- one iteration ---------------------------------------------------------------------
+
+  def schedule(self) -> Plan:
+    plan = Plan()
+    self._reserve_decode_slots(plan)
+    if not plan.preempted:
+      self._swap_in(plan)
+    budget = self.max_num_batched_tokens
+    for seq in self.running:  # decodes first: one token each
+      if seq.num_pending == 1:
+        plan.rows.append((seq, 1))
+        budget -= 1
+    for seq in self.running:  # then prompts already under way
+      if seq.num_pending > 1 and budget > 0:
+        budget -= self._add_chunk(plan, seq, budget)
+    if not plan.preempted and not self.swapped:
+      self._admit(plan, budget)
+    return plan
+
+  def _reserve_decode_slots(self, plan: Plan) -> None:
+    for seq in list(self.running):
+      if seq.status is not Status.RUNNING or seq.num_pending != 1:
+        continue  # preempted a moment ago, or mid-prompt (its blocks came at admission)
+      while not self.blocks.can_append(seq):
+        self._preempt(self.running[-1], plan)
+        if seq.status is not Status.RUNNING:
+          break
+      else:
+        self.blocks.may_append(seq)
+
+  def _swap_in(self, plan: Plan) -> None:
+    while self.swapped and len(self.running) < self.max_batch_size:
+      seq = self.swapped[0]
+      if not self.blocks.can_allocate(seq, watermark=bool(self.running)):
+        break
+      self.swapped.pop(0)
+      device = self.blocks.allocate(seq)
+      if seq.host_blocks:
+        plan.swap_in.append((seq.host_blocks, device[:len(seq.host_blocks)]))
+      # Freed now, copied by the engine before anything reuses them: no swap-out happens in an
+      # iteration that swaps in (step 2 runs only when step 1 preempted nobody).
+      self.host.free(seq.host_blocks)
+      seq.host_blocks = []
+      seq.status = Status.RUNNING
+      _insert(self.running, seq)
+
+  def _admit(self, plan: Plan, budget: int) -> None:
+    while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+      seq = self.waiting[0]
+      if not self.blocks.can_allocate(seq, watermark=bool(self.running)):
+        plan.memory_blocked = True
+        break
+      self.waiting.pop(0)
+      self.blocks.allocate(seq)
+      seq.status = Status.RUNNING
+      _insert(self.running, seq)
+      budget -= self._add_chunk(plan, seq, budget)
+
+  def _add_chunk(self, plan: Plan, seq: Sequence, budget: int) -> int:
+    n = min(seq.num_pending, self.prefill_chunk, budget)
+    plan.rows.append((seq, n))
+    return n
+
+  # ---- preemption ------------------------------------------------------------------------
+
+  def _preempt(self, seq: Sequence, plan: Plan) -> None:
+    """Swap when the policy says so and the host tier has room; otherwise recompute."""
+    self.running.remove(seq)
+    seq.num_preemptions += 1
+    if self.preemption == 'swap' and self._swap_out(seq, plan):
+      plan.preempted.append((seq, 'swap'))
+      return
+    self.blocks.deallocate(seq)
+    seq.num_cached = 0  # prompt and generated tokens are prefilled again on readmission
+    self.add(seq)
+    plan.preempted.append((seq, 'recompute'))
+
+  def _swap_out(self, seq: Sequence, plan: Plan) -> bool:
+    n = self.blocks.blocks_for(seq.num_cached)
+    if not self.host.can_allocate(n):
+      return False
+    seq.host_blocks = self.host.allocate(n)
+    if n:
+      # The device blocks are free for others from now on; the engine copies them out before
+      # this iteration's steps write anything.
+      plan.swap_out.append((seq.block_table[:n], seq.host_blocks))
+    self.blocks.deallocate(seq)
+    seq.status = Status.SWAPPED
+    _insert(self.swapped, seq)
+    return True
