@@ -29,6 +29,7 @@ class StepInputs:
   top_p: np.ndarray         # [B] float32
   seeds: np.ndarray         # [B] int32
   counters: np.ndarray      # [B] int32, tokens generated so far (PRNG stream position)
+  lanes: np.ndarray         # [B] int32, the row's recent-window lane (pool.py); 0 = null lane
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class RowSpec:
   top_p: float = 1.0
   seed: int = 0
   counter: int = 0
+  lane: int = 0  # recent-window lane of the sequence, when the pool keeps one
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:
@@ -79,6 +81,7 @@ def build_step_inputs(rows: Sequence[RowSpec], block_size: int, batch_buckets: S
   top_p = np.ones(num_rows, np.float32)
   seeds = np.zeros(num_rows, np.int32)
   counters = np.zeros(num_rows, np.int32)
+  lanes = np.zeros(num_rows, np.int32)
 
   for i, r in enumerate(rows):
     n = len(r.tokens)
@@ -94,6 +97,6 @@ def build_step_inputs(rows: Sequence[RowSpec], block_size: int, batch_buckets: S
     context_lens[i] = r.start + n
     logits_index[i] = n - 1
     temperature[i], top_k[i], top_p[i] = r.temperature, r.top_k, r.top_p
-    seeds[i], counters[i] = r.seed, r.counter
+    seeds[i], counters[i], lanes[i] = r.seed, r.counter, r.lane
   return StepInputs(tokens, positions, slots, tables, context_lens, logits_index, temperature,
-                    top_k, top_p, seeds, counters)
+                    top_k, top_p, seeds, counters, lanes)

@@ -1,0 +1,34 @@
+"""GQA ablation: one model shape, num_kv_heads = heads (MHA), a middle value (GQA), 1 (MQA).
+
+  python -m experiments.sweep --config=configs/ablate_gqa.py --workdir=runs/ablate_gqa
+  python -m experiments.sweep --config=configs/ablate_gqa.py:tiny --workdir=/tmp/gqa
+
+A random model with SmolLM2-135M's shape (30 layers, d_model 576, 9 query heads of 64; the KV
+head count is what varies): KV bytes per token, sequences of the longest context that fit the
+pool budget, and warm decode step time (experiments/kv_quality.py:gqa). Weights are random, so
+no quality figures: with trained weights, fewer KV heads is a quality trade made at training.
+"""
+from configs import ablate_kv_quant, default
+
+
+def get_config(arg=None):
+  config = ablate_kv_quant.add_eval(default.get_config('tiny'))
+  config.job = 'experiments.kv_quality:gqa'
+  config.attention.impl = 'xla'
+  config.pool.kv_dtype = 'bfloat16'
+  config.model.random.update(dict(d_model=576, num_layers=30, num_heads=9, head_dim=64,
+                                  ffn_dim=1536, max_seq_len=8192))
+  config.engine.max_seq_len = 4096
+  config.eval.decode_tokens = 32
+  config.sweep = [{'model.random.num_kv_heads': n} for n in (9, 3, 1)]
+  config.plot = {'x': 'num_kv_heads', 'y': ['kv_bytes_per_token', 'max_concurrent_sequences',
+                                            'decode_step_ms'], 'logx': False}
+  if arg == 'tiny':
+    config.model.random.update(dict(d_model=64, num_layers=2, num_heads=4, head_dim=16,
+                                    ffn_dim=128, max_seq_len=512))
+    config.engine.max_seq_len = 256
+    config.eval.update(dict(contexts=[64], pool_budget_mb=1, decode_batch=2, decode_tokens=4))
+    config.sweep = [{'model.random.num_kv_heads': n} for n in (4, 2, 1)]
+  elif arg:
+    raise ValueError(f'configs/ablate_gqa.py: unknown variant {arg!r}; allowed: tiny')
+  return config

@@ -1,0 +1,61 @@
+"""KV quantization ablation on SmolLM2-135M: quality through the real paged cache vs bytes.
+
+  python -m experiments.sweep --config=configs/ablate_kv_quant.py --workdir=runs/ablate_kv_quant
+  python -m experiments.sweep --config=configs/ablate_kv_quant.py:tiny --workdir=/tmp/kvq
+
+Each point stores the pool as one kv_dtype (int4 with its options) and scores KJV text through it
+in prefill chunks (experiments/kv_quality.py): perplexity at each context length against the same
+run with a bfloat16 pool, top-1 agreement, logit error by position, KV bytes per token (scales
+included), sequences of the longest context that fit `eval.pool_budget_mb`, decode tokens/s.
+`:tiny` runs the same pipeline on a tiny random model in seconds.
+"""
+import ml_collections
+
+from configs import default
+
+
+def kv_point(kv_dtype, group_size=32, key_per_channel=False, recent_window=0):
+  return {'pool.kv_dtype': kv_dtype, 'pool.kv_group_size': group_size,
+          'pool.kv_key_per_channel': key_per_channel, 'pool.kv_recent_window': recent_window}
+
+
+def add_eval(config):
+  config.eval = ml_collections.ConfigDict(dict(
+      contexts=[512, 2048],  # perplexity over the first N predicted tokens of each sequence
+      num_sequences=1,       # sequences of max(contexts) + 1 tokens from spread-out KJV books
+      chunk=128,             # prefill chunk: queries attend to the quantized cache beyond it
+      reference_kv_dtype='bfloat16',
+      pool_budget_mb=256,    # for max_concurrent_sequences
+      decode_batch=8, decode_tokens=16))
+  return config
+
+
+def get_config(arg=None):
+  config = add_eval(default.get_config('tiny' if arg == 'tiny' else None))
+  config.job = 'experiments.kv_quality:kv_quality'
+  config.attention.impl = 'xla'
+  config.engine.max_seq_len = 4096
+  config.sweep = [
+      kv_point('float32'),
+      kv_point('bfloat16'),
+      kv_point('int8'),
+      kv_point('fp8_e4m3'),
+      kv_point('fp8_e5m2'),
+      kv_point('int8', recent_window=64),
+      kv_point('fp8_e4m3', recent_window=64),
+      kv_point('int4', group_size=64),  # naive: one range per token and head
+      kv_point('int4', group_size=32),
+      kv_point('int4', group_size=32, key_per_channel=True),  # KIVI keys
+      kv_point('int4', group_size=32, key_per_channel=True, recent_window=64),
+  ]
+  config.plot = ml_collections.ConfigDict(dict(
+      x='kv_bytes_per_token', y=['perplexity_delta_pct', 'greedy_agreement'], logx=False))
+  if arg == 'tiny':
+    config.eval.update(dict(contexts=[32, 64], num_sequences=2, chunk=16, pool_budget_mb=1,
+                            decode_batch=2, decode_tokens=4))
+    config.engine.max_seq_len = 256
+    config.sweep = [kv_point('bfloat16'), kv_point('int8'),
+                    kv_point('int4', group_size=8, key_per_channel=True, recent_window=16)]
+  elif arg:
+    raise ValueError(f'configs/ablate_kv_quant.py: unknown variant {arg!r}; allowed: tiny')
+  return config

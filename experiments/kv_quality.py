@@ -1,0 +1,113 @@
+"""Sweep jobs for the KV-quantization and GQA ablations (`config.job` in their configs).
+
+kv_quality: perplexity of the model on real text (KJV) scored *through the paged pool* stored as
+  the point's kv_dtype, against the same run with a bfloat16 pool, at each context length; top-1
+  agreement and mean logit error by position; KV bytes per token (scales included); how many
+  sequences of the longest context fit a fixed pool budget; and warm decode tokens/s.
+gqa: the same model shape with a different num_kv_heads: KV bytes per token, sequences that fit
+  the budget, and decode step time (random weights: quality is not the question there).
+"""
+import dataclasses
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from pagedjax import factory, pool as pool_lib, quant, text_data
+from pagedjax.sampling import SamplingParams
+from pagedjax.scoring import ChunkScorer, score
+
+_CACHE = {}  # one model per process: every point of a sweep shares it and its compiled steps
+
+
+def _model(config):
+  key = json.dumps(config.model.to_dict(), sort_keys=True)
+  if key not in _CACHE:
+    _CACHE.clear()
+    _CACHE[key] = factory.load_model_and_tokenizer(config)
+  return _CACHE[key]
+
+
+def _texts(tokenizer, num_sequences: int, length: int):
+  """Equal-length token sequences from spread-out parts of the KJV (deterministic)."""
+  verses = text_data.kjv_verses()
+  stride = len(verses) // num_sequences
+  sequences = []
+  for i in range(num_sequences):
+    ids, v = [], i * stride
+    while len(ids) < length:
+      ids += tokenizer.encode(' '.join(verses[v:v + 50]) + ' ')
+      v += 50
+    sequences.append(ids[:length])
+  return sequences
+
+
+def capacity(model_cfg, kv_quant, block_size: int, budget_bytes: int, seq_len: int) -> dict:
+  """Sequences of seq_len tokens that fit budget_bytes of pool (scales and ring lanes counted)."""
+  dims = (model_cfg.num_layers, 1, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
+  block = pool_lib.pool_bytes(*dims, dataclasses.replace(kv_quant, recent_window=0))
+  lane = (pool_lib.pool_bytes(*dims, kv_quant, max_sequences=1) - block) if (
+      kv_quant.recent_window) else 0
+  per_sequence = math.ceil(seq_len / block_size) * block + lane
+  return {'kv_bytes_per_token': block / block_size, 'bytes_per_sequence': per_sequence,
+          'max_concurrent_sequences': budget_bytes // per_sequence}
+
+
+def _decode_speed(config, model_cfg, params, tokenizer, kv_quant) -> float:
+  """Warm generated tokens/s of a short batch decode with this pool (second of two passes)."""
+  engine = factory.make_engine(config, model_cfg, params, tokenizer, kv_quant=kv_quant)
+  ev = config.eval
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, model_cfg.vocab_size, 16).tolist()
+             for _ in range(ev.decode_batch)]
+  sampling = SamplingParams(max_new_tokens=ev.decode_tokens, stop_on_eos=False)
+  engine.generate(prompts, sampling)  # compiles
+  start = time.perf_counter()
+  engine.generate(prompts, sampling)
+  return ev.decode_batch * ev.decode_tokens / (time.perf_counter() - start)
+
+
+def kv_quality(config, workdir: str) -> dict:
+  model_cfg, params, tokenizer = _model(config)
+  ev = config.eval
+  kv_quant = quant.from_config(config.pool, model_cfg.dtype)
+  reference = quant.KVQuantConfig(ev.reference_kv_dtype)
+  longest = max(ev.contexts)
+  sequences = _texts(tokenizer, ev.num_sequences, longest + 1)
+  key = ('scorer', json.dumps(config.model.to_dict(), sort_keys=True), config.attention.impl)
+  scorer = _CACHE.setdefault(key, ChunkScorer(model_cfg, config.attention.impl))
+  result = score(model_cfg, params, sequences, kv_quant, reference,
+                 block_size=config.pool.block_size, chunk=ev.chunk, scorer=scorer)
+  row = capacity(model_cfg, kv_quant, config.pool.block_size, ev.pool_budget_mb * 2**20,
+                 longest)
+  for ctx in ev.contexts:
+    row[f'perplexity_{ctx}'] = result.perplexity(ctx)
+    row[f'reference_perplexity_{ctx}'] = result.perplexity(ctx, ref=True)
+  row['perplexity'] = row[f'perplexity_{longest}']
+  row['perplexity_delta_pct'] = 100 * (row['perplexity'] / row[f'reference_perplexity_{longest}']
+                                       - 1)
+  row['greedy_agreement'] = float(result.agree.mean())
+  row['logit_error_mean'] = float(result.logit_err.mean())
+  by_position = result.error_by_position()
+  row['logit_error_first_bucket'], row['logit_error_last_bucket'] = (
+      list(by_position.values())[0], list(by_position.values())[-1])
+  row['decode_tokens_per_second'] = _decode_speed(config, model_cfg, params, tokenizer, kv_quant)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'logit_error_by_position.json'), 'w') as f:
+    json.dump(by_position, f, indent=1)
+  return row
+
+
+def gqa(config, workdir: str) -> dict:
+  del workdir
+  model_cfg, params, tokenizer = _model(config)
+  kv_quant = quant.from_config(config.pool, model_cfg.dtype)
+  ev = config.eval
+  row = capacity(model_cfg, kv_quant, config.pool.block_size, ev.pool_budget_mb * 2**20,
+                 max(ev.contexts))
+  row['num_kv_heads'] = model_cfg.num_kv_heads
+  row['decode_tokens_per_second'] = _decode_speed(config, model_cfg, params, tokenizer, kv_quant)
+  row['decode_step_ms'] = 1000 * ev.decode_batch / row['decode_tokens_per_second']
+  return row
