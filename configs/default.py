@@ -34,6 +34,11 @@ def get_config(arg=None):
   config.pool.block_size = 16
   config.pool.num_blocks = 256  # block 0 is the null block
   config.pool.kv_dtype = 'auto'  # auto = model.dtype
+  # Quantized storage (pagedjax/quant.py): kv_dtype int8 | fp8_e4m3 | fp8_e5m2 | int4.
+  config.pool.kv_group_size = 32  # int4: channels per scale
+  config.pool.kv_key_per_channel = False  # int4: KIVI keys, one range per channel per block
+  config.pool.kv_recent_window = 0  # newest tokens per sequence also kept in bfloat16
+  config.pool.kind = 'paged'  # paged | contiguous (reserves engine.max_seq_len per request)
 
   config.attention = ml_collections.ConfigDict()
   config.attention.impl = 'reference'
@@ -42,6 +47,12 @@ def get_config(arg=None):
   config.engine.max_batch_size = 8
   config.engine.prefill_chunk = 64
   config.engine.max_seq_len = 1024
+
+  config.scheduler = ml_collections.ConfigDict()
+  config.scheduler.preemption = 'recompute'  # recompute | swap (to a host-RAM tier)
+  config.scheduler.watermark = 0.01  # share of pool blocks admission keeps free
+  config.scheduler.max_num_batched_tokens = 0  # per iteration; 0 = max_batch_size * prefill_chunk
+  config.scheduler.swap_blocks = 0  # host-tier blocks for swap; 0 = as many as the pool
 
   config.sampling = ml_collections.ConfigDict()
   config.sampling.max_new_tokens = 24

@@ -6,19 +6,37 @@
 Runs the prompts twice on the same engine: the first pass compiles every bucketed step shape,
 the second is timed for tokens_per_second (and must not compile again). Writes
 WORKDIR/summary.json.
+
+Tensor parallelism: `--config.mesh.model=4` splits the pool over KV heads and the weights over
+heads and MLP columns (pagedjax/sharding.py). On a CPU-only machine the run asks JAX for that many
+CPU devices before the backend starts, so it works on one physical CPU device; the summary gets
+`mesh` and the per-device KV figures measured from the pool's shards.
+
+Several hosts (or processes): start the same command on every one with `--distributed` (see the
+README): jax.distributed.initialize joins them into one set of devices, the mesh spans them, and
+every process runs the same host logic on the same inputs; only process 0 writes summary.json.
 """
 import os
 import time
 
 from absl import app
 from absl import flags
+import jax
 from ml_collections import config_flags
 
-from pagedjax import factory, run_info
+from pagedjax import factory, run_info, sharding, sizing
 from pagedjax.config import sampling_params, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for summary.json.', required=True)
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False, 'Call jax.distributed.initialize first, to run one program over the '
+    'devices of several processes or hosts (the three flags below, or auto-detection on Cloud '
+    'TPU, SLURM, Open MPI and other clusters JAX knows).')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None,
+                                   'host:port of process 0, with --distributed.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes, with --distributed.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0-based, with --distributed.')
 
 
 def run_pass(engine, prompts, params):
@@ -29,13 +47,50 @@ def run_pass(engine, prompts, params):
   return completions, time.perf_counter() - start, engine.stats['generated_tokens'] - before
 
 
+def mesh_summary(engine, model_cfg, tp: int) -> dict:
+  """Per-device KV figures measured from the pool's shards, with sizing.py's count beside them
+  (float pools; a quantized pool's scale layout is beyond sizing.pool_per_device, so None)."""
+  per_device = sharding.bytes_per_device(engine.pool)
+  if len(set(per_device.values())) != 1:
+    raise RuntimeError(f'pool shards differ in size across devices: {per_device}')
+  pool_bytes = next(iter(per_device.values()))
+  slots = engine.pool.num_blocks * engine.pool.block_size
+  layout = sharding.Layout.of(model_cfg, tp)
+  scheme = getattr(engine.pool, 'scheme', None)
+  sized = None
+  if scheme is None or not scheme.is_quantized:
+    sized = sizing.pool_per_device(sizing.from_model_config(model_cfg), engine.pool.num_blocks,
+                                   engine.pool.block_size, engine.pool.k.dtype.name, tp)
+  return {
+      # devices: the whole mesh; the byte figures are measured on this process's devices.
+      'mesh': {'model': tp, 'processes': jax.process_count(),
+               'devices': sorted(f'{d.platform}:{d.id}' for d in engine.pool.k.sharding.device_set),
+               'pool_partition_spec': str(getattr(engine.pool.k.sharding, 'spec', None)),
+               'query_heads_per_device': layout.query_heads_per_device,
+               'kv_heads_per_device': layout.kv_heads_per_device,
+               'kv_head_replication': layout.kv_head_replication,
+               'vocab_sharded': tp > 1 and layout.vocab_sharded},
+      'kv_bytes_per_token_per_device': pool_bytes / slots,  # scales included; may be fractional
+      'kv_pool_bytes_per_device': pool_bytes,
+      'kv_capacity_tokens': (engine.pool.num_blocks - 1) * engine.pool.block_size,
+      'kv_sizing_per_device': sized,
+  }
+
+
 def main(argv):
   del argv
   config = validate_config(_CONFIG.value)
+  tp = sharding.mesh_model(config)
+  # Both before anything starts the JAX backend.
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  else:  # one process: on a CPU-only machine, fake tp CPU devices
+    sharding.request_cpu_devices(tp)
   t0 = time.perf_counter()
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
   load_seconds = time.perf_counter() - t0
   engine = factory.make_engine(config, model_cfg, params, tokenizer)
+  del params  # on a mesh the engine holds sharded copies; let the whole ones on device 0 go
   sampling = sampling_params(config)
 
   _, first_seconds, _ = run_pass(engine, config.prompts, sampling)
@@ -47,11 +102,15 @@ def main(argv):
     prompt = tokenizer.decode(c.prompt_ids)
     print(f'[{c.request_id}] {prompt!r} -> {c.text!r}  ({c.finish_reason})')
   util = engine.utilization_at_peak
+  per_device = mesh_summary(engine, model_cfg, tp)
   rows = [('model', config.model.source), ('requests', len(completions)),
           ('generated tokens', generated), ('tokens/s (warm)', f'{generated / seconds:.1f}'),
           ('first pass s (compiles)', f'{first_seconds:.1f}'),
           ('KV blocks total', config.pool.num_blocks), ('KV blocks peak', engine.peak_blocks_used),
-          ('KV utilization', f'{util:.1%}'), ('compilations', engine.num_compilations)]
+          ('KV utilization', f'{util:.1%}'), ('compilations', engine.num_compilations),
+          ('mesh.model', tp),
+          ('KV bytes/token/device', per_device['kv_bytes_per_token_per_device']),
+          ('KV pool bytes/device', per_device['kv_pool_bytes_per_device'])]
   print()
   for name, value in rows:
     print(f'  {name:<26} {value}')
@@ -69,8 +128,10 @@ def main(argv):
       'kv_blocks_peak_used': engine.peak_blocks_used,
       'kv_utilization': util,
       'kv_utilization_mean': engine.mean_utilization,
+      # The whole pool, summed over a mesh's devices (KV-head replicas included).
       'kv_bytes_per_token': engine.kv_bytes_per_token,
       'kv_pool_bytes': engine.pool.nbytes,
+      **per_device,
       'num_compilations': engine.num_compilations,
       'num_compilations_first_pass': compilations_first,
       'preemptions': engine.stats['preemptions'],
@@ -79,9 +140,10 @@ def main(argv):
       'config': config.to_dict(),
       **run_info.environment(),
   }
-  path = os.path.join(_WORKDIR.value, 'summary.json')
-  run_info.write_json(path, summary)
-  print(f'\nwrote {path}')
+  if jax.process_index() == 0:  # every process computed the same figures
+    path = os.path.join(_WORKDIR.value, 'summary.json')
+    run_info.write_json(path, summary)
+    print(f'\nwrote {path}')
 
 
 if __name__ == '__main__':

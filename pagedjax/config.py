@@ -1,11 +1,17 @@
 """Config validation: reject bad experiment configs at load time, naming field, value and what
 is allowed, before any weights are loaded or memory is reserved."""
+import math
+
 from kernels import IMPLS
+from pagedjax.block_manager import KINDS as POOL_KINDS
+from pagedjax import quant, sharding
 from pagedjax.model import DTYPES, ModelConfig
 from pagedjax.sampling import SamplingParams
+from pagedjax.scheduler import PREEMPTION_POLICIES
+from pagedjax.workloads import DATASETS
 
 MODEL_SOURCES = ('smollm2', 'gguf', 'safetensors', 'random')
-KV_DTYPES = ('auto',) + tuple(DTYPES)
+KV_DTYPES = ('auto',) + quant.KV_DTYPES
 ATTENTION_IMPLS = ('auto',) + tuple(IMPLS)
 
 
@@ -49,11 +55,17 @@ def validate_config(config):
     _fail('model.dtype', m.dtype, f'one of {tuple(DTYPES)}')
   if m.source == 'random':
     validate_model_shape(random_model_config(config))
+  try:  # a checkpoint's shape is checked again against the mesh once it is loaded (factory.py)
+    sharding.validate_mesh(random_model_config(config) if m.source == 'random' else None,
+                           sharding.mesh_model(config))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
   if not _is_power_of_two(pool.block_size) or pool.block_size > 1024:
     _fail('pool.block_size', pool.block_size, 'a power of two from 1 to 1024')
   if pool.kv_dtype not in KV_DTYPES:
     _fail('pool.kv_dtype', pool.kv_dtype, f'one of {KV_DTYPES}')
+  validate_kv_quant(config)
   if config.attention.impl not in ATTENTION_IMPLS:
     _fail('attention.impl', config.attention.impl, f'one of {ATTENTION_IMPLS}')
 
@@ -73,6 +85,9 @@ def validate_config(config):
     sampling_params(config).validate()
   except ValueError as e:
     raise ConfigError(f'config.sampling.{e}') from None
+  validate_scheduler(config)
+  if 'trace' in config:
+    validate_trace(config)
   return config
 
 
@@ -88,3 +103,88 @@ def sampling_params(config) -> SamplingParams:
   s = config.sampling
   return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                         top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+# ---- pool kind and scheduler ---------------------------------------------------------------
+# Configs written before these fields existed get the defaults below, so they keep working.
+SCHEDULER_DEFAULTS = dict(preemption='recompute', watermark=0.01, max_num_batched_tokens=0,
+                          swap_blocks=0)
+
+
+def _scheduler_field(config, name):
+  section = config.get('scheduler') or {}
+  return section.get(name, SCHEDULER_DEFAULTS[name])
+
+
+def scheduler_options(config) -> dict:
+  """Engine keyword arguments for config.pool.kind and config.scheduler (0 = engine default)."""
+  return dict(pool_kind=config.pool.get('kind', 'paged'),
+              preemption=_scheduler_field(config, 'preemption'),
+              watermark=_scheduler_field(config, 'watermark'),
+              max_num_batched_tokens=_scheduler_field(config, 'max_num_batched_tokens') or None,
+              swap_blocks=_scheduler_field(config, 'swap_blocks') or None)
+
+
+def validate_scheduler(config):
+  pool, eng = config.pool, config.engine
+  kind = pool.get('kind', 'paged')
+  if kind not in POOL_KINDS:
+    _fail('pool.kind', kind, f'one of {POOL_KINDS}')
+  preemption = _scheduler_field(config, 'preemption')
+  if preemption not in PREEMPTION_POLICIES:
+    _fail('scheduler.preemption', preemption, f'one of {PREEMPTION_POLICIES}')
+  watermark = _scheduler_field(config, 'watermark')
+  if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
+      0 <= watermark < 1):
+    _fail('scheduler.watermark', watermark,
+          'a number in [0, 1): the share of pool blocks admission keeps free')
+  budget = _scheduler_field(config, 'max_num_batched_tokens')
+  if not isinstance(budget, int) or (budget != 0 and budget < eng.max_batch_size):
+    _fail('scheduler.max_num_batched_tokens', budget,
+          f'0 (engine.max_batch_size * engine.prefill_chunk) or an integer >= '
+          f'engine.max_batch_size={eng.max_batch_size}, so every decode fits an iteration')
+  swap_blocks = _scheduler_field(config, 'swap_blocks')
+  if not isinstance(swap_blocks, int) or swap_blocks < 0:
+    _fail('scheduler.swap_blocks', swap_blocks,
+          'an integer >= 0 (host-tier blocks; 0 = as many as the pool)')
+  reserve = math.ceil(eng.max_seq_len / pool.block_size)
+  if kind == 'contiguous' and pool.num_blocks < reserve + 1:
+    _fail('pool.num_blocks', pool.num_blocks,
+          f'at least {reserve + 1} with pool.kind=\'contiguous\': one reservation of '
+          f'engine.max_seq_len={eng.max_seq_len} tokens in blocks of {pool.block_size}, plus '
+          'the null block')
+
+
+def validate_trace(config):
+  """config.trace: the synthetic workload a trace job replays (pagedjax.workloads)."""
+  t = config.trace
+  if t.dataset not in DATASETS:
+    _fail('trace.dataset', t.dataset, f'one of {tuple(DATASETS)}')
+  for name in ('num_requests', 'max_input_len', 'max_output_len'):
+    value = t[name]
+    if not isinstance(value, int) or value < 1:
+      _fail(f'trace.{name}', value, 'an integer >= 1')
+  if not isinstance(t.seed, int):
+    _fail('trace.seed', t.seed, 'an integer')
+  if isinstance(t.rate, bool) or not isinstance(t.rate, (int, float)) or not t.rate > 0:
+    _fail('trace.rate', t.rate, "requests/s > 0, or float('inf') for all at t=0")
+  if not isinstance(t.get('calibrate', True), bool):
+    _fail('trace.calibrate', t.calibrate, 'True (keep the dataset means under the length limits) '
+          'or False (clip the plain laws)')
+  if t.max_input_len >= config.engine.max_seq_len:
+    _fail('trace.max_input_len', t.max_input_len,
+          f'less than engine.max_seq_len={config.engine.max_seq_len}')
+
+
+def validate_kv_quant(config):
+  """pool.kv_* combinations: group size dividing head_dim, options only where defined."""
+  m = config.model
+  head_dim = m.random.head_dim if m.source == 'random' else None
+  kv_quant = quant.from_config(config.pool, m.dtype)
+  try:
+    kv_quant.validate(head_dim)  # a checkpoint's head_dim is checked by init_pool at load
+  except ValueError as e:
+    field = str(e).split('=')[0]
+    names = {'kv_dtype': 'kv_dtype', 'group_size': 'kv_group_size',
+             'key_per_channel': 'kv_key_per_channel', 'recent_window': 'kv_recent_window'}
+    raise ConfigError(f'config.pool.{names.get(field, field)}: {e}') from None

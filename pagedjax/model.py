@@ -12,6 +12,10 @@ Params tree (kernels are [in, out]):
                o_proj [L, Hq*Dh, D]}/kernel   (+ q/k/v_proj/bias [L, H*Dh] when qkv_bias)
   layers/mlp/{gate_proj [L, D, F], up_proj [L, D, F], down_proj [L, F, D]}/kernel
 RoPE uses the Hugging Face "rotate half" layout (first half of each head paired with the second).
+
+With a device mesh (`mesh`, see pagedjax/sharding.py) the K/V write and paged attention run per
+shard under shard_map, each device on its own query and KV heads; everything else is ordinary
+JAX that GSPMD partitions from the parameters' shardings. `mesh=None` is the single-device path.
 """
 import dataclasses
 from typing import Optional
@@ -19,9 +23,10 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from kernels import paged_attention
 from pagedjax import pool as pool_lib
+from pagedjax import sharding
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -74,6 +79,27 @@ def dense_causal_attention(q, k, v):
   return out.reshape(batch, length, num_heads, head_dim).astype(q.dtype)
 
 
+def write_and_attend(pool, layer, q, k, v, positions, batch, impl: str,
+                     mesh: Optional[Mesh] = None):
+  """Write this chunk's K/V [B, T, Hkv, Dh] into the pool, then attend q [B, T, Hq, Dh] over it.
+
+  With a mesh both run per shard: q, k, v and the pool's KV-head axis are split, the paging
+  metadata (slots, block tables, lengths, positions) is replicated, so each device writes and
+  reads only its own heads of the same blocks, in place, with no communication.
+  """
+  def local(pool, layer, q, k, v, positions, batch):
+    pool = pool_lib.write_kv(pool, layer, k, v, batch)
+    return pool_lib.attend(pool, layer, q, positions, batch, impl), pool
+
+  if mesh is None:
+    return local(pool, layer, q, k, v, positions, batch)
+  heads, rep = sharding.HEADS_SPEC, sharding.REPLICATED
+  return sharding.per_shard(local, mesh, in_specs=(sharding.POOL_SPEC, rep, heads, heads, heads,
+                                                   rep, rep),
+                            out_specs=(heads, sharding.POOL_SPEC))(
+                                pool, layer, q, k, v, positions, batch)
+
+
 class RMSNorm(nn.Module):
   eps: float
 
@@ -88,6 +114,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
   cfg: ModelConfig
   attention_impl: str
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, x, positions, pool, batch, layer):
@@ -108,9 +135,8 @@ class Attention(nn.Module):
     if pool is None:
       out = dense_causal_attention(q, k, v)
     else:
-      pool = pool_lib.write_kv(pool, layer, k, v, batch.slot_mapping)
-      out = paged_attention(q, pool.k[layer], pool.v[layer], batch.block_tables,
-                            batch.context_lens, positions, impl=self.attention_impl)
+      out, pool = write_and_attend(pool, layer, q, k, v, positions, batch,
+                                   self.attention_impl, self.mesh)
     out = dense(cfg.d_model, 'o_proj')(out.reshape(b, t, -1))
     return out, pool
 
@@ -130,11 +156,12 @@ class Mlp(nn.Module):
 class DecoderLayer(nn.Module):
   cfg: ModelConfig
   attention_impl: str
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, carry, positions, batch):
     x, pool, layer = carry
-    attn_out, pool = Attention(self.cfg, self.attention_impl, name='attn')(
+    attn_out, pool = Attention(self.cfg, self.attention_impl, self.mesh, name='attn')(
         RMSNorm(self.cfg.norm_eps, name='attn_norm')(x), positions, pool, batch, layer)
     x = x + attn_out
     x = x + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg.norm_eps, name='mlp_norm')(x))
@@ -152,6 +179,7 @@ class Llama(nn.Module):
   """
   cfg: ModelConfig
   attention_impl: str = 'reference'
+  mesh: Optional[Mesh] = None  # tensor-parallel mesh with axis 'model' (pagedjax/sharding.py)
 
   @nn.compact
   def __call__(self, tokens, positions, pool=None, batch=None,
@@ -162,7 +190,7 @@ class Llama(nn.Module):
     x = embed(tokens).astype(DTYPES[cfg.dtype])
     layers = nn.scan(DecoderLayer, variable_axes={'params': 0}, split_rngs={'params': True},
                      in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers)
-    (x, pool, _), _ = layers(cfg, self.attention_impl, name='layers')(
+    (x, pool, _), _ = layers(cfg, self.attention_impl, self.mesh, name='layers')(
         (x, pool, jnp.int32(0)), positions, batch)
     x = RMSNorm(cfg.norm_eps, name='final_norm')(x)
     if logits_index is not None:

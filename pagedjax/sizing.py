@@ -269,6 +269,26 @@ def plan(shape: ModelShape, context: int, batch: int = 1, kv_dtype: str = 'fp16'
   }
 
 
+def pool_per_device(shape: ModelShape, num_blocks: int, block_size: int, kv_dtype: str = 'fp16',
+                    tp: int = 1) -> dict:
+  """A paged pool of num_blocks blocks (the null block 0 included) split tp ways over KV heads.
+
+  Every device holds every block, for its own KV heads only, so capacity in tokens is the same
+  on each device as on one: (num_blocks - 1) * block_size. pagedjax's run summary measures the
+  same two byte figures from the pool's actual shards (experiments/decode.py).
+  """
+  if num_blocks < 2 or block_size < 1:
+    raise ValueError(f'num_blocks must be >= 2 (block 0 is the null block) and block_size >= 1, '
+                     f'got num_blocks={num_blocks}, block_size={block_size}')
+  hkv = kv_heads_per_device(shape, tp)
+  per_token = kv_bytes_per_token(shape, kv_dtype, kv_heads=hkv)
+  return {'tp': tp, 'kv_heads_per_device': hkv,
+          'kv_head_replication': max(1, tp // shape.num_kv_heads),
+          'kv_bytes_per_token_per_device': per_token,
+          'kv_pool_bytes_per_device': per_token * num_blocks * block_size,
+          'kv_capacity_tokens': (num_blocks - 1) * block_size}
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------

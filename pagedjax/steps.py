@@ -5,9 +5,17 @@ the new tokens' K/V are scattered into their slots first, then each query attend
 sequence's blocks up to its own position, so a prefill chunk sees the cached prefix plus the
 causal part of itself. The pool is donated, so XLA updates it in place. Only the sampled token
 ids (and, when asked for, the sampled rows' logits) come back to the host.
-"""
-import jax
 
+With a mesh (tensor parallelism, pagedjax/sharding.py) the step is the same function: params and
+pool arrive sharded, and the returned pool is pinned to the pool's sharding so the donated buffers
+are reused in place and the next call sees the same input shardings (no copy, no recompile).
+"""
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from pagedjax import sharding
 from pagedjax.model import Llama, ModelConfig
 from pagedjax.pool import KVPool
 from pagedjax.sampling import sample
@@ -22,10 +30,12 @@ class CompiledStep:
   """
 
   def __init__(self, cfg: ModelConfig, attention_impl: str = 'reference',
-               return_logits: bool = False):
+               return_logits: bool = False, mesh: Optional[Mesh] = None):
+    """mesh: run tensor-parallel on it; cfg must then be the sharded model's (sharding.py)."""
     self.num_compilations = 0
     self.return_logits = return_logits
-    model = Llama(cfg, attention_impl)
+    self.mesh = mesh
+    model = Llama(cfg, attention_impl, mesh)
 
     def step(params, pool: KVPool, inputs: StepInputs):
       self.num_compilations += 1  # runs at trace time only
@@ -33,6 +43,12 @@ class CompiledStep:
                                  logits_index=inputs.logits_index)
       tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds,
                       inputs.counters)
+      if mesh is not None:
+        pool = jax.lax.with_sharding_constraint(pool, sharding.pool_sharding(mesh))
+        # Replicated outputs: the host reads one local copy instead of gathering shards, and a
+        # process of a multi-host mesh can read them at all (it holds no other devices' shards).
+        replicated = NamedSharding(mesh, sharding.REPLICATED)
+        tokens, logits = jax.lax.with_sharding_constraint((tokens, logits), replicated)
       return (pool, tokens, logits) if return_logits else (pool, tokens)
 
     self._jitted = jax.jit(step, donate_argnums=(1,))
