@@ -15,11 +15,14 @@ def get_config(arg=None):
   config = ablate_kv_quant.add_eval(default.get_config('tiny'))
   config.job = 'experiments.kv_quality:gqa'
   config.attention.impl = 'xla'
-  config.pool.kv_dtype = 'bfloat16'
+  # float32 KV: bfloat16 gathers are ~3x slower on XLA CPU and would swamp the comparison.
+  config.pool.kv_dtype = 'float32'
+  config.pool.num_blocks = 513  # 8 decode sequences of 512+ tokens fit without preemption
   config.model.random.update(dict(d_model=576, num_layers=30, num_heads=9, head_dim=64,
                                   ffn_dim=1536, max_seq_len=8192))
   config.engine.max_seq_len = 4096
   config.eval.decode_tokens = 32
+  config.eval.decode_prompt_len = 512  # decode reads a long context, where KV heads matter
   config.sweep = [{'model.random.num_kv_heads': n} for n in (9, 3, 1)]
   config.plot = {'x': 'num_kv_heads', 'y': ['kv_bytes_per_token', 'max_concurrent_sequences',
                                             'decode_step_ms'], 'logx': False}
@@ -27,7 +30,9 @@ def get_config(arg=None):
     config.model.random.update(dict(d_model=64, num_layers=2, num_heads=4, head_dim=16,
                                     ffn_dim=128, max_seq_len=512))
     config.engine.max_seq_len = 256
-    config.eval.update(dict(contexts=[64], pool_budget_mb=1, decode_batch=2, decode_tokens=4))
+    config.pool.num_blocks = 64
+    config.eval.update(dict(contexts=[64], pool_budget_mb=1, decode_batch=2, decode_tokens=4,
+                            decode_prompt_len=16))
     config.sweep = [{'model.random.num_kv_heads': n} for n in (4, 2, 1)]
   elif arg:
     raise ValueError(f'configs/ablate_gqa.py: unknown variant {arg!r}; allowed: tiny')

@@ -26,7 +26,8 @@ def add_eval(config):
       chunk=128,             # prefill chunk: queries attend to the quantized cache beyond it
       reference_kv_dtype='bfloat16',
       pool_budget_mb=256,    # for max_concurrent_sequences
-      decode_batch=8, decode_tokens=16))
+      decode_batch=8, decode_tokens=16,  # decode_tokens_per_second: a warm batch decode
+      decode_prompt_len=128))
   return config
 
 
@@ -49,10 +50,11 @@ def get_config(arg=None):
       kv_point('int4', group_size=32, key_per_channel=True, recent_window=64),
   ]
   config.plot = ml_collections.ConfigDict(dict(
-      x='kv_bytes_per_token', y=['perplexity_delta_pct', 'greedy_agreement'], logx=False))
+      x='kv_bytes_per_token', y=['perplexity_delta_pct', 'greedy_agreement'],
+      group='pool.kv_dtype', logx=True))
   if arg == 'tiny':
     config.eval.update(dict(contexts=[32, 64], num_sequences=2, chunk=16, pool_budget_mb=1,
-                            decode_batch=2, decode_tokens=4))
+                            decode_batch=2, decode_tokens=4, decode_prompt_len=16))
     config.engine.max_seq_len = 256
     config.sweep = [kv_point('bfloat16'), kv_point('int8'),
                     kv_point('int4', group_size=8, key_per_channel=True, recent_window=16)]
