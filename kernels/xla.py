@@ -36,30 +36,58 @@ _SEQ_SPLITS = 2
 # Wrapper
 # ------------------------------------------------------------------------------------------------
 def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                        scale=None, k_scales=None, v_scales=None):
-  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]."""
+                        scale=None, k_scales=None, v_scales=None, context_splits=None):
+  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
+  context_splits: split every sequence's context over that many loops (default: only when
+  there are fewer sequences than loops)."""
   check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, scale)
+                          k_scales, v_scales, scale, context_splits)
 
 
 # ------------------------------------------------------------------------------------------------
 # Kernel body
 # ------------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=('scale',))
+@functools.partial(jax.jit, static_argnames=('scale', 'context_splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                     v_scales, scale):
-  # Independent loops over slices of the batch: XLA CPU runs them concurrently (one per core),
-  # where a single loop's gathers run on one core. Each slice also stops at its own longest
-  # context.
+                     v_scales, scale, context_splits=None):
+  """Independent loops run concurrently on XLA CPU (one per core), where a single loop's gathers
+  run on one core. With enough sequences the loops take slices of the batch (each stopping at
+  its own longest context); with fewer sequences than loops (long-context decode of one or two
+  sequences) they take slices of the context instead, flash-decoding style, and their partial
+  softmax states are merged. `context_splits` forces the latter (tests)."""
   batch = q.shape[0]
-  splits = min(_SEQ_SPLITS, batch)
-  bounds = [batch * i // splits for i in range(splits + 1)]
-  outs = [_attend(q[a:b], k_pages, v_pages, block_tables[a:b], context_lens[a:b],
-                  q_positions[a:b], k_scales, v_scales, scale)
-          for a, b in zip(bounds[:-1], bounds[1:])]
-  return outs[0] if splits == 1 else jnp.concatenate(outs, axis=0)
+  args = (k_pages, v_pages, k_scales, v_scales, scale)
+  if context_splits is None and batch >= _SEQ_SPLITS:
+    bounds = [batch * i // _SEQ_SPLITS for i in range(_SEQ_SPLITS + 1)]
+    outs = [_finish(q[a:b], *_attend(q[a:b], block_tables[a:b], context_lens[a:b],
+                                     q_positions[a:b], *args)[1:])
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return jnp.concatenate(outs, axis=0)
+  splits = context_splits or _SEQ_SPLITS
+  parts = [_attend(q, block_tables, context_lens, q_positions, *args, part=(i, splits))
+           for i in range(splits)]
+  return _finish(q, *_merge(parts))
+
+
+def _merge(parts):
+  """Combine partial online-softmax states (m, l, acc) of disjoint key ranges."""
+  m = functools.reduce(jnp.maximum, [p[0] for p in parts])
+  m_shift = jnp.where(m == -jnp.inf, 0.0, m)
+  weights = [jnp.exp(p[0] - m_shift) for p in parts]  # 0 for a part that saw nothing
+  l = sum(w * p[1] for w, p in zip(weights, parts))
+  acc = sum(w[..., None] * p[2] for w, p in zip(weights, parts))
+  return l, acc
+
+
+def _finish(q, l, acc):
+  """Normalise and lay the [B, Hkv, R, D] rows back out as [B, T, Hq, D]."""
+  batch, num_q, num_heads, head_dim = q.shape
+  num_kv_heads = acc.shape[1]
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  out = out.reshape(batch, num_kv_heads, num_q, num_heads // num_kv_heads, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
@@ -85,8 +113,10 @@ def _gather_block(pages_bits, block, dtype):
   return x.astype(jnp.float32)
 
 
-def _attend(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales,
-            scale):
+def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scales, v_scales,
+            scale, part=(0, 1)):
+  """Online softmax over the blocks of context slice `part` = (index, count) -> the unnormalised
+  state (l [B, Hkv, R], acc [B, Hkv, R, D]) with its running max m, as (m, l, acc)."""
   batch, num_q, num_heads, head_dim = q.shape
   _, num_kv_heads, block_size, _ = k_pages.shape
   max_blocks = block_tables.shape[1]
@@ -105,6 +135,9 @@ def _attend(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scal
   else:
     row_seen = jnp.repeat(seen, group, axis=1)[:, None, :, None]  # [B, 1, R, 1]
   num_steps = jnp.minimum(max_blocks, (jnp.max(seen) + block_size - 1) // block_size)
+  index, count = part
+  per_part = (num_steps + count - 1) // count
+  first, last = index * per_part, jnp.minimum((index + 1) * per_part, num_steps)
 
   k_bits, v_bits = _as_bits(k_pages), _as_bits(v_pages)
 
@@ -142,7 +175,4 @@ def _attend(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scal
   init = (jnp.full((batch, num_kv_heads, rows), -jnp.inf, f32),
           jnp.zeros((batch, num_kv_heads, rows), f32),
           jnp.zeros((batch, num_kv_heads, rows, head_dim), f32))
-  _, l, acc = jax.lax.fori_loop(0, num_steps, step, init)
-  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-  out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
-  return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
+  return jax.lax.fori_loop(first, jnp.maximum(first, last), step, init)

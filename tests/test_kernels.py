@@ -417,3 +417,17 @@ def test_bad_shapes_raise_value_error(impl):
   with pytest.raises(ValueError, match='int8 pages need'):
     run(dict(case, k_pages=case['k_pages'].astype(jnp.int8),
              v_pages=case['v_pages'].astype(jnp.int8)), impl)
+
+
+@pytest.mark.parametrize('splits,num_q', [(2, 1), (3, 1), (4, 5)])
+def test_xla_context_split_matches_reference(splits, num_q):
+  """Flash-decoding split over the context (few sequences, long contexts), decode and prefill;
+  lengths include 0 and a context shorter than one split's share."""
+  from kernels.xla import paged_attention_xla  # pylint: disable=import-outside-toplevel
+  case = make_case(11, num_kv_heads=2, group=4, head_dim=64, block_size=16, max_blocks=12,
+                   num_q=num_q)
+  got = paged_attention_xla(case['q'], case['k_pages'], case['v_pages'], case['block_tables'],
+                            case['context_lens'], case['q_positions'], context_splits=splits)
+  assert_close(got, run(case, 'reference'), jnp.float32)
+  one = {k: v[:1] if k not in ('k_pages', 'v_pages') else v for k, v in case.items()}
+  assert_close(run(one, 'xla'), run(one, 'reference'), jnp.float32)  # batch 1: split by default
