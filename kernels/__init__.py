@@ -85,39 +85,55 @@ def check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions,
     raise ValueError(f'{k_pages.dtype} pages need k_scales and v_scales')
 
 
-def dequantize_pages(pages, scales):
-  """int8/fp8 pages [N, Hkv, bs, D] * scales [N, Hkv, bs] -> float32 pages."""
-  return pages.astype(jnp.float32) * scales[..., None]
+def _layer_view(x):
+  """Shape/dtype of one layer of a layer-stacked array (for validation only, no data)."""
+  return None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('scale',))
 def _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales,
-               *, scale):
+               layer, *, scale):
   from kernels.reference import paged_attention_ref  # pylint: disable=import-outside-toplevel
-  if k_scales is not None:
-    # Elementwise, so dequantizing before the gather equals dequantizing after it.
-    k_pages, v_pages = dequantize_pages(k_pages, k_scales), dequantize_pages(v_pages, v_scales)
   return paged_attention_ref(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                             scale=scale)
+                             scale=scale, k_scales=k_scales, v_scales=v_scales, layer=layer)
+
+
+# Paths that index a layer-stacked pool themselves. The others get one layer sliced out, which
+# on XLA materialises a copy of that layer's pages: fine for a kernel test, a pool-sized cost
+# per step inside the model (see pagedjax/pool.py).
+LAYERED_IMPLS = ('reference', 'xla')
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                    impl='reference', scale=None, k_scales=None, v_scales=None):
-  """Attention of queries over a paged KV cache; see kernels/reference.py for shapes."""
+                    impl='reference', scale=None, k_scales=None, v_scales=None, layer=None):
+  """Attention of queries over a paged KV cache; see kernels/reference.py for shapes.
+
+  With `layer` (a traced int is fine), k_pages/v_pages (and scales) carry a leading layers axis
+  and attention reads that layer in place: inside the model's layer scan, slicing the layer out
+  first would copy it, every layer, every step.
+  """
+  per_layer = (lambda x: _layer_view(x)) if layer is not None else (lambda x: x)
   if impl == 'auto':
     impl = best_impl()
-    _, _, block_size, head_dim = k_pages.shape
+    _, _, block_size, head_dim = per_layer(k_pages).shape
     pow2 = lambda n: n & (n - 1) == 0
     if impl == 'pallas_gpu' and (k_scales is not None or not pow2(block_size) or
                                  not pow2(head_dim)):
       impl = 'xla'  # what the GPU kernel does not cover (quantized pages, odd shapes)
+  check_inputs(q, per_layer(k_pages), per_layer(v_pages), block_tables, context_lens,
+               q_positions, per_layer(k_scales), per_layer(v_scales))
   if impl == 'reference':
-    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
     return _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                      v_scales, scale=scale)
+                      v_scales, layer, scale=scale)
   if impl not in _MODULES:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLS + ("auto",)}')
   module, name = _MODULES[impl]
   fn = getattr(importlib.import_module(module), name)
+  if layer is not None and impl not in LAYERED_IMPLS:
+    pick = lambda x: None if x is None else x[layer]
+    k_pages, v_pages, k_scales, v_scales = map(pick, (k_pages, v_pages, k_scales, v_scales))
+  elif layer is not None:
+    return fn(q, k_pages, v_pages, block_tables, context_lens, q_positions, scale=scale,
+              k_scales=k_scales, v_scales=v_scales, layer=layer)
   return fn(q, k_pages, v_pages, block_tables, context_lens, q_positions, scale=scale,
             k_scales=k_scales, v_scales=v_scales)

@@ -18,19 +18,24 @@ import jax.numpy as jnp
 
 
 def paged_attention_ref(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                        scale=None):
+                        scale=None, k_scales=None, v_scales=None, layer=None):
+  """Optional: int8/fp8 pages with k_scales/v_scales [N, Hkv, bs] (dequantized after the
+  gather); `layer` indexes layer-stacked pages [L, N, ...] (and scales) inside the gather."""
   batch, num_q, num_heads, head_dim = q.shape
-  _, num_kv_heads, block_size, _ = k_pages.shape
+  num_kv_heads, block_size = k_pages.shape[-3], k_pages.shape[-2]
   group = num_heads // num_kv_heads
   scale = head_dim ** -0.5 if scale is None else scale
 
   # [B, MB, Hkv, bs, D] -> [B, Hkv, MB*bs, D]: the dense cache of each sequence.
-  def dense(pages):
-    gathered = pages[block_tables]
+  def dense(pages, scales):
+    gather = (lambda x: x[block_tables]) if layer is None else (lambda x: x[layer, block_tables])
+    gathered = gather(pages).astype(jnp.float32)  # [B, MB, Hkv, bs, D]
+    if scales is not None:
+      gathered = gathered * gather(scales).astype(jnp.float32)[..., None]
     gathered = jnp.moveaxis(gathered, 2, 1)
-    return gathered.reshape(batch, num_kv_heads, -1, head_dim).astype(jnp.float32)
+    return gathered.reshape(batch, num_kv_heads, -1, head_dim)
 
-  k, v = dense(k_pages), dense(v_pages)
+  k, v = dense(k_pages, k_scales), dense(v_pages, v_scales)
   qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, group, head_dim)
   scores = jnp.einsum('btkgd,bksd->bkgts', qg, k) * scale
   kv_pos = jnp.arange(k.shape[2])

@@ -36,14 +36,21 @@ _SEQ_SPLITS = 2
 # Wrapper
 # ------------------------------------------------------------------------------------------------
 def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                        scale=None, k_scales=None, v_scales=None, context_splits=None):
+                        scale=None, k_scales=None, v_scales=None, context_splits=None,
+                        layer=None):
   """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
   context_splits: split every sequence's context over that many loops (default: only when
-  there are fewer sequences than loops)."""
-  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
+  there are fewer sequences than loops). layer: index into layer-stacked pages [L, N, ...]
+  (and scales), read in place block by block."""
+  if layer is None:
+    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                 v_scales)
+    layer = 0
+    k_pages, v_pages = k_pages[None], v_pages[None]
+    k_scales, v_scales = (None, None) if k_scales is None else (k_scales[None], v_scales[None])
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, scale, context_splits)
+                          k_scales, v_scales, layer, scale, context_splits)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -51,14 +58,14 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_posit
 # ------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=('scale', 'context_splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                     v_scales, scale, context_splits=None):
+                     v_scales, layer, scale, context_splits=None):
   """Independent loops run concurrently on XLA CPU (one per core), where a single loop's gathers
   run on one core. With enough sequences the loops take slices of the batch (each stopping at
   its own longest context); with fewer sequences than loops (long-context decode of one or two
   sequences) they take slices of the context instead, flash-decoding style, and their partial
   softmax states are merged. `context_splits` forces the latter (tests)."""
   batch = q.shape[0]
-  args = (k_pages, v_pages, k_scales, v_scales, scale)
+  args = (k_pages, v_pages, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
     bounds = [batch * i // _SEQ_SPLITS for i in range(_SEQ_SPLITS + 1)]
     outs = [_finish(q[a:b], *_attend(q[a:b], block_tables[a:b], context_lens[a:b],
@@ -103,9 +110,10 @@ def _as_bits(pages):
   return pages
 
 
-def _gather_block(pages_bits, block, dtype):
-  """One block of every sequence, [B, Hkv, bs, D], as float32 (`pages_bits` from _as_bits)."""
-  x = pages_bits[block]
+def _gather_block(pages_bits, layer, block, dtype):
+  """One block of every sequence, [B, Hkv, bs, D], as float32 (`pages_bits` from _as_bits,
+  layer-stacked: the gather indexes the layer itself, so no layer is ever sliced out)."""
+  x = pages_bits[layer, block]
   if dtype == jnp.bfloat16:  # bfloat16 is the top half of a float32: shift, no convert
     return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
   if x.dtype != dtype:
@@ -114,11 +122,11 @@ def _gather_block(pages_bits, block, dtype):
 
 
 def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scales, v_scales,
-            scale, part=(0, 1)):
+            layer, scale, part=(0, 1)):
   """Online softmax over the blocks of context slice `part` = (index, count) -> the unnormalised
   state (l [B, Hkv, R], acc [B, Hkv, R, D]) with its running max m, as (m, l, acc)."""
   batch, num_q, num_heads, head_dim = q.shape
-  _, num_kv_heads, block_size, _ = k_pages.shape
+  _, _, num_kv_heads, block_size, _ = k_pages.shape
   max_blocks = block_tables.shape[1]
   group = num_heads // num_kv_heads
   rows = num_q * group
@@ -148,13 +156,13 @@ def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scal
     visible = pos[None, None, None, :] < row_seen  # [B, 1, R, bs]
     in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, bs, 1]
 
-    k = _gather_block(k_bits, block, k_pages.dtype)  # [B, Hkv, bs, D]
+    k = _gather_block(k_bits, layer, block, k_pages.dtype)  # [B, Hkv, bs, D]
     if use_dot:
       s = jnp.einsum('bhrd,bhsd->bhrs', qg, k)
     else:
       s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, bs]
     if k_scales is not None:
-      s = s * k_scales[block][:, :, None, :]
+      s = s * k_scales[layer, block][:, :, None, :]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp() stays NaN-free.
@@ -163,9 +171,9 @@ def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scal
     alpha = jnp.exp(m - m_shift)
     l = l * alpha + jnp.sum(p, axis=-1)
     if v_scales is not None:
-      p = jnp.where(visible, p * v_scales[block][:, :, None, :], 0.0)
+      p = jnp.where(visible, p * v_scales[layer, block][:, :, None, :], 0.0)
 
-    v = jnp.where(in_context, _gather_block(v_bits, block, v_pages.dtype), 0.0)
+    v = jnp.where(in_context, _gather_block(v_bits, layer, block, v_pages.dtype), 0.0)
     if use_dot:
       pv = jnp.einsum('bhrs,bhsd->bhrd', p, v)
     else:

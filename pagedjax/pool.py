@@ -238,12 +238,13 @@ def attend(pool: KVPool, layer, q, positions, batch, impl: str):
   identity.
   """
   args = (batch.block_tables, batch.context_lens, positions)
+  # The whole layer-stacked pool goes in with `layer`: slicing pool.k[layer] out here would copy
+  # that layer (every layer, every step) before a kernel loop could read it.
   if not pool.scheme.is_quantized:
-    return paged_attention(q, pool.k[layer], pool.v[layer], *args, impl=impl)
+    return paged_attention(q, pool.k, pool.v, *args, impl=impl, layer=layer)
   if pool.scheme.kv_dtype in KERNEL_NATIVE and not pool.scheme.recent_window:
-    f32 = lambda s: s[layer].astype(jnp.float32)
-    return paged_attention(q, pool.k[layer], pool.v[layer], *args, impl=impl,
-                           k_scales=f32(pool.k_scale), v_scales=f32(pool.v_scale))
+    return paged_attention(q, pool.k, pool.v, *args, impl=impl, layer=layer,
+                           k_scales=pool.k_scale, v_scales=pool.v_scale)
   tables = batch.block_tables
   k, v = dequantize_blocks(pool, layer, tables)
   if pool.scheme.recent_window:
