@@ -41,7 +41,7 @@ def get_config(arg=None):
   config.pool.kind = 'paged'  # paged | contiguous (reserves engine.max_seq_len per request)
 
   config.attention = ml_collections.ConfigDict()
-  config.attention.impl = 'reference'
+  config.attention.impl = 'auto'  # reference | xla | pallas_tpu | pallas_gpu | triton | auto
 
   config.engine = ml_collections.ConfigDict()
   config.engine.max_batch_size = 8
@@ -53,6 +53,11 @@ def get_config(arg=None):
   config.scheduler.watermark = 0.01  # share of pool blocks admission keeps free
   config.scheduler.max_num_batched_tokens = 0  # per iteration; 0 = max_batch_size * prefill_chunk
   config.scheduler.swap_blocks = 0  # host-tier blocks for swap; 0 = as many as the pool
+
+  config.prefix_cache = ml_collections.ConfigDict()
+  config.prefix_cache.enabled = False  # reuse cached full blocks of earlier prompts
+  config.prefix_cache.design = 'hash'  # hash (chain over full blocks) | radix (tree)
+  config.prefix_cache.eviction = 'lru'  # lru | lfu: which evictable cached block goes first
 
   config.sampling = ml_collections.ConfigDict()
   config.sampling.max_new_tokens = 24

@@ -2,6 +2,11 @@
 
 Lives in plain Python between jitted steps; it never touches the device. Block 0 (the null
 block, see pool.py) is reserved and never handed out.
+
+A block's ref count is the number of sequences holding it (forks and prefix hits share blocks).
+With a prefix cache (prefix_cache.py) a cached block whose count drops to 0 is not freed but
+becomes evictable: it still counts as available (`num_free`), and `allocate` evicts such blocks,
+by the cache's policy, only once the plain free list is empty.
 """
 import numbers
 import random
@@ -16,8 +21,9 @@ class AllocationError(RuntimeError):
 
 class BlockAllocator:
 
-  def __init__(self, num_blocks: int, shuffle_seed: Optional[int] = None):
-    """shuffle_seed scatters physical placement (tests use it: nothing may depend on order)."""
+  def __init__(self, num_blocks: int, shuffle_seed: Optional[int] = None, cache=None):
+    """shuffle_seed scatters physical placement (tests use it: nothing may depend on order).
+    cache: a PrefixCache whose released blocks stay reusable until evicted."""
     if num_blocks < 2:
       raise ValueError(f'num_blocks={num_blocks}: need at least 2 (block 0 is the null block)')
     self.num_blocks = num_blocks
@@ -26,25 +32,39 @@ class BlockAllocator:
     if shuffle_seed is not None:
       random.Random(shuffle_seed).shuffle(self._free)
     self._ref_counts = [0] * num_blocks
+    self.cache = cache
 
   @property
   def num_free(self) -> int:
-    return len(self._free)
+    """Blocks an allocation can take: free ones plus evictable cached ones."""
+    return len(self._free) + (self.cache.num_evictable if self.cache else 0)
 
   @property
   def num_used(self) -> int:
-    return self.num_blocks - 1 - len(self._free)
+    return self.num_blocks - 1 - self.num_free
+
+  def free_blocks(self) -> List[int]:
+    """The plain free list (tests check it against the holders)."""
+    return list(self._free)
 
   def can_allocate(self, n: int) -> bool:
-    return n <= len(self._free)
+    return n <= self.num_free
 
   def allocate(self, n: int = 1) -> List[int]:
-    if n > len(self._free):
-      raise AllocationError(f'asked for {n} blocks, only {len(self._free)} free')
-    blocks = [self._free.pop() for _ in range(n)]
+    if n > self.num_free:
+      raise AllocationError(f'asked for {n} blocks, only {self.num_free} free')
+    blocks = [self._free.pop() if self._free else self.cache.evict() for _ in range(n)]
     for b in blocks:
       self._ref_counts[b] = 1
     return blocks
+
+  def take_cached(self, block: int) -> None:
+    """One more holder of a cached block, which may be evictable (ref count 0) right now."""
+    self._check(block)
+    if self._ref_counts[block] == 0 and not self.cache.is_evictable(block):
+      raise ValueError(f'block {block} is neither held nor evictable')
+    self.cache.touch(block)
+    self._ref_counts[block] += 1
 
   def ref_count(self, block: int) -> int:
     self._check(block)
@@ -65,7 +85,10 @@ class BlockAllocator:
         raise ValueError(f'double free of block {b}')
       self._ref_counts[b] -= 1
       if self._ref_counts[b] == 0:
-        self._free.append(b)
+        if self.cache is not None and self.cache.is_cached(b):
+          self.cache.release(b)  # stays reusable until evicted
+        else:
+          self._free.append(b)
 
   def _check(self, block: int) -> None:
     if not isinstance(block, numbers.Integral) or not 0 < block < self.num_blocks:

@@ -10,9 +10,20 @@
 
 Both hand the kernels only the blocks that hold tokens (`visible_table`), so a comparison of the
 two runs the same model, scheduler and kernels and isolates the cache design.
+
+Sharing (either kind):
+  prefix cache  at admission, a prompt's leading full blocks found in the cache (prefix_cache.py,
+                radix_cache.py)
+                are taken instead of allocated, and their tokens count as cached, so prefill
+                skips them. At most num_tokens - 1 tokens are taken: the last prompt token must
+                run to give logits to sample from. Blocks that fill up are offered to the cache.
+  fork          a child shares every block of its parent (ref count +1 each).
+  copy-on-write before a sequence writes into a block someone else also holds, it takes a new
+                block and the plan records (old, new); the engine copies all of an iteration's
+                pairs in one jitted call before the step writes. A shared block is never written.
 """
 import math
-from typing import List
+from typing import List, Optional, Tuple
 
 from pagedjax.allocator import BlockAllocator
 from pagedjax.sequence import Sequence
@@ -48,6 +59,10 @@ class BlockManager:
     want = self.reserve_blocks if self.kind == 'contiguous' else self.blocks_for(seq.num_tokens)
     return max(0, want - len(seq.block_table))
 
+  @property
+  def cache(self):
+    return self.allocator.cache
+
   def can_allocate(self, seq: Sequence, watermark: bool = True) -> bool:
     """Room to (re)admit seq with blocks for all its tokens (contiguous: its reservation)."""
     headroom = self.watermark_blocks if watermark else 0
@@ -59,16 +74,85 @@ class BlockManager:
     seq.block_table += new
     return new
 
-  def can_append(self, seq: Sequence) -> bool:
-    """Room for seq's pending token(s): a slot in its last block, or a free block."""
-    return self.allocator.can_allocate(self._short(seq))
+  # ---- prefix cache ----------------------------------------------------------------------
 
-  def may_append(self, seq: Sequence) -> None:
+  def _prefix_hits(self, seq: Sequence) -> List[int]:
+    if self.cache is None or seq.block_table:
+      return []
+    # Never the whole prompt: its last token must run to be sampled from.
+    return self.cache.match(seq, (seq.num_tokens - 1) // self.block_size)
+
+  def can_admit(self, seq: Sequence, watermark: bool = True) -> bool:
+    """can_allocate for a waiting sequence, counting the blocks its cached prefix provides
+    (an evictable hit is taken out of the free space, a held one costs nothing)."""
+    hits = self._prefix_hits(seq)
+    revived = sum(self.allocator.ref_count(b) == 0 for b in hits)
+    headroom = self.watermark_blocks if watermark else 0
+    return self.allocator.can_allocate(self._short(seq) - len(hits) + revived + headroom)
+
+  def admit(self, seq: Sequence) -> List[int]:
+    """allocate for a waiting sequence: takes its cached prefix first (so allocating the rest
+    cannot evict it), marks those tokens cached, then allocates the rest."""
+    hits = self._prefix_hits(seq)
+    for b in hits:
+      self.allocator.take_cached(b)
+    if self.cache is not None:
+      self.cache.record_lookup((seq.num_tokens - 1) // self.block_size, len(hits),
+                               seq.num_tokens)
+    seq.block_table = list(hits)
+    seq.num_cached, seq.num_offered = len(hits) * self.block_size, len(hits)
+    return self.allocate(seq)
+
+  def offer_full_blocks(self, seq: Sequence) -> None:
+    """Offers seq's newly filled blocks to the prefix cache (after the step that wrote them)."""
+    if self.cache is None:
+      return
+    n = min(seq.num_cached // self.block_size, len(seq.block_table))
+    if seq.num_offered >= n:
+      return
+    self.cache.offer(seq, n)
+    seq.num_offered = n
+
+  # ---- appends, copy-on-write, forks -----------------------------------------------------
+
+  def _needs_copy(self, seq: Sequence) -> bool:
+    """The block seq writes next exists and is shared: it must be copied first."""
+    i = seq.num_cached // self.block_size
+    return i < len(seq.block_table) and self.allocator.ref_count(seq.block_table[i]) > 1
+
+  def can_append(self, seq: Sequence) -> bool:
+    """Room for seq's pending token(s): a slot in its last block, or a free block (and one
+    more for the copy when that slot lies in a shared block)."""
+    return self.allocator.can_allocate(self._short(seq) + self._needs_copy(seq))
+
+  def may_append(self, seq: Sequence) -> Optional[Tuple[int, int]]:
+    """Makes room for seq's pending token; returns (shared block, its private copy) when the
+    write must go to a copy, which the engine makes on the device before the step."""
     self.allocate(seq)
+    if not self._needs_copy(seq):
+      return None
+    i = seq.num_cached // self.block_size
+    old, (new,) = seq.block_table[i], self.allocator.allocate(1)
+    seq.block_table[i] = new
+    self.allocator.free([old])
+    # A block nobody has written yet (a prompt's last block allocated at admission, or a
+    # contiguous reservation) needs a new block but nothing copied into it.
+    return (old, new) if seq.num_cached % self.block_size else None
+
+  def fork(self, parent: Sequence, child: Sequence) -> None:
+    """child holds every block of parent (its prompt and progress are parent's)."""
+    for b in parent.block_table:
+      self.allocator.share(b)
+    child.block_table = list(parent.block_table)
+    child.num_cached, child.num_offered = parent.num_cached, parent.num_offered
+    child.block_keys = list(parent.block_keys)
 
   def deallocate(self, seq: Sequence) -> None:
-    self.allocator.free(seq.block_table)
+    # Tail first: with a cache, a prefix's later blocks then become evictable before its
+    # earlier ones, so LRU never evicts a block whose descendants stay cached but unreachable.
+    self.allocator.free(seq.block_table[::-1] if self.cache else seq.block_table)
     seq.block_table = []
+    seq.num_offered = 0
 
   def visible_table(self, seq: Sequence, num_tokens: int) -> List[int]:
     """The blocks holding seq's first num_tokens tokens: what a step's kernels read."""

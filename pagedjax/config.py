@@ -4,7 +4,7 @@ import math
 
 from kernels import IMPLS
 from pagedjax.block_manager import KINDS as POOL_KINDS
-from pagedjax import quant, sharding
+from pagedjax import prefix_cache, quant, sharding
 from pagedjax.model import DTYPES, ModelConfig
 from pagedjax.sampling import SamplingParams
 from pagedjax.scheduler import PREEMPTION_POLICIES
@@ -86,6 +86,7 @@ def validate_config(config):
   except ValueError as e:
     raise ConfigError(f'config.sampling.{e}') from None
   validate_scheduler(config)
+  validate_prefix_cache(config)
   if 'trace' in config:
     validate_trace(config)
   return config
@@ -188,3 +189,36 @@ def validate_kv_quant(config):
     names = {'kv_dtype': 'kv_dtype', 'group_size': 'kv_group_size',
              'key_per_channel': 'kv_key_per_channel', 'recent_window': 'kv_recent_window'}
     raise ConfigError(f'config.pool.{names.get(field, field)}: {e}') from None
+
+
+# ---- prefix cache --------------------------------------------------------------------------
+# Configs written before this section existed run without prefix caching.
+PREFIX_CACHE_DEFAULTS = dict(enabled=False, design='hash', eviction='lru')
+
+
+def _prefix_field(config, name):
+  section = config.get('prefix_cache') or {}
+  return section.get(name, PREFIX_CACHE_DEFAULTS[name])
+
+
+def prefix_cache_options(config) -> dict:
+  """Engine keyword arguments for config.prefix_cache."""
+  return dict(prefix_caching=_prefix_field(config, 'enabled'),
+              prefix_cache_design=_prefix_field(config, 'design'),
+              prefix_cache_eviction=_prefix_field(config, 'eviction'))
+
+
+def validate_prefix_cache(config):
+  enabled = _prefix_field(config, 'enabled')
+  if not isinstance(enabled, bool):
+    _fail('prefix_cache.enabled', enabled, 'True or False')
+  design = _prefix_field(config, 'design')
+  if design not in prefix_cache.DESIGNS:
+    _fail('prefix_cache.design', design,
+          f'one of {prefix_cache.DESIGNS} (hash chain over full blocks, or radix tree)')
+  eviction = _prefix_field(config, 'eviction')
+  if eviction not in prefix_cache.EVICTION_POLICIES:
+    _fail('prefix_cache.eviction', eviction, f'one of {prefix_cache.EVICTION_POLICIES}')
+  if enabled and config.pool.get('kv_recent_window', 0):
+    _fail('prefix_cache.enabled', enabled,
+          'False with pool.kv_recent_window > 0 (shared blocks cannot carry per-sequence rings)')

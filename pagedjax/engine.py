@@ -6,7 +6,8 @@ for swap preemption (swap.py) and the run's metrics (metrics.py). Device side: t
 threaded through every jitted call and donated.
 
 One iteration runs one plan:
-  1. one gather of every block swapped out, then one scatter of every block swapped in;
+  1. one gather of every block swapped out, one jitted copy of every copy-on-write block
+     (block_copy.py), then one scatter of every block swapped in;
   2. one jitted call for the prompt chunks, then one for the decodes (one query token each).
      Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
      decode row would pay for a whole chunk of query tokens. Every call's shape is bucketed
@@ -17,8 +18,13 @@ Clock: `clock` is simulated seconds, the measured time of the engine's own itera
 compilation excluded (a one-off cost that would otherwise tax whichever run meets more shapes)
 and idle gaps jumped to the next arrival rather than slept. A request submitted with an
 arrival time becomes visible to the scheduler once the clock reaches it.
+
+Sharing: with `prefix_caching`, full blocks are cached across requests (prefix_cache.py) and a
+prompt's cached prefix skips prefill. `SamplingParams(n=k)` submits k samples of one prompt:
+request ids id..id+k-1 (submit returns the first), one prefill, blocks shared until written.
 """
 import collections
+import dataclasses
 import heapq
 import math
 import time
@@ -28,8 +34,11 @@ import numpy as np
 
 from pagedjax import pool as pool_lib
 from pagedjax import quant
+from pagedjax import prefix_cache, radix_cache
 from pagedjax.allocator import BlockAllocator
+from pagedjax.block_copy import BlockCopier
 from pagedjax.block_manager import BlockManager
+from pagedjax import metrics as metrics_lib
 from pagedjax.metrics import Metrics
 from pagedjax.model import DTYPES, ModelConfig
 from pagedjax.sampling import SamplingParams
@@ -70,6 +79,8 @@ class Engine:
                preemption: str = 'recompute', watermark: float = 0.01,
                max_num_batched_tokens: Optional[int] = None, swap_blocks: Optional[int] = None,
                kv_quant: Optional[quant.KVQuantConfig] = None,
+               prefix_caching: bool = False, prefix_cache_design: str = 'hash',
+               prefix_cache_eviction: str = 'lru',
                timer: Callable[[], float] = time.perf_counter):
     """step_fn lets engines of the same model share compiled steps (tests, sweeps).
 
@@ -77,7 +88,9 @@ class Engine:
     watermark: share of the pool's blocks paged admission keeps free. max_num_batched_tokens:
     query tokens per iteration (default: a full chunk for every row). swap_blocks: host tier
     size (default: as many blocks as the pool). kv_quant: the pool's storage (quant.py;
-    default: plain kv_dtype). timer: the clock's source (tests inject one).
+    default: plain kv_dtype). prefix_caching: reuse cached full blocks of earlier prompts
+    (design 'hash': prefix_cache.py, or 'radix': radix_cache.py; eviction 'lru' or 'lfu'). timer: the clock's source
+    (tests inject one).
     """
     self.cfg = model_cfg
     self.params = params
@@ -89,11 +102,25 @@ class Engine:
     self.tokenizer = tokenizer
     self.pool_kind, self.preemption = pool_kind, preemption
 
-    self.allocator = BlockAllocator(num_blocks, shuffle_seed=shuffle_blocks_seed)
+    if prefix_cache_design not in prefix_cache.DESIGNS:
+      raise ValueError(f'prefix_cache_design {prefix_cache_design!r} is not allowed: one of '
+                       f'{prefix_cache.DESIGNS}')
+    self.prefix_cache_design = prefix_cache_design
+    design = {'hash': prefix_cache.PrefixCache, 'radix': radix_cache.RadixCache}
+    self.prefix_cache = (design[prefix_cache_design](block_size, prefix_cache_eviction)
+                         if prefix_caching else None)
+    self.allocator = BlockAllocator(num_blocks, shuffle_seed=shuffle_blocks_seed,
+                                    cache=self.prefix_cache)
     self.blocks = BlockManager(self.allocator, block_size, pool_kind, self.max_seq_len,
                                watermark_blocks=int(watermark * (num_blocks - 1)))
     self.pool = _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant,
                            max_batch_size, preemption)
+    # Rings of a recent window belong to a lane, not to blocks: shared blocks cannot carry them.
+    self._can_share = not self.pool.scheme.recent_window
+    if prefix_caching and not self._can_share:
+      raise ValueError('prefix caching cannot share a recent-window pool\'s per-sequence rings '
+                       '(quant.py): use kv_recent_window=0')
+    self.copier = BlockCopier(num_blocks)
     self._free_lanes = list(range(max_batch_size, 0, -1))  # see _assign_lanes
     self.tier = None
     if preemption == 'swap':
@@ -168,6 +195,11 @@ class Engine:
       params.validate()
     except ValueError as e:
       raise RequestError(str(e)) from None
+    if params.n > self.max_batch_size:
+      raise RequestError(f'n={params.n} parallel samples: at most max_batch_size='
+                         f'{self.max_batch_size} (they decode in one batch)')
+    if params.n > 1 and not self._can_share:
+      raise RequestError('parallel samples share blocks, which a recent-window pool cannot')
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
     if self.blocks.blocks_for(longest) > self.allocator.num_blocks - 1:
       raise RequestError(
@@ -175,10 +207,17 @@ class Engine:
           f'{self.block_size} tokens ({longest} tokens) but the pool has only '
           f'{self.allocator.num_blocks - 1}: it can never fit')
     arrival = self.clock if arrival_time is None else float(arrival_time)
-    seq = Sequence(self._next_id, [int(t) for t in prompt], params, arrival_time=arrival,
-                   status=Status.PENDING)
-    self._next_id += 1
-    self._live[seq.request_id] = seq
+    prompt = [int(t) for t in prompt]
+    group = [Sequence(self._next_id + i, prompt, dataclasses.replace(params, seed=params.seed + i),
+                      arrival_time=arrival, status=Status.PENDING,
+                      group_id=self._next_id if params.n > 1 else None)
+             for i in range(params.n)]
+    seq = group[0]
+    seq.forks = group[1:]
+    self._next_id += params.n
+    for s in group:
+      self._live[s.request_id] = s
+    self.stats['prompt_tokens_submitted'] += len(prompt)
     heapq.heappush(self._pending, (arrival, seq.request_id, seq))
     self._release_arrivals()
     return seq.request_id
@@ -203,12 +242,16 @@ class Engine:
     if plan.swap_out:
       self.stats['swapped_out_blocks'] += self._timed(timing, self.tier.swap_out, self.pool,
                                                       plan.swap_out)
+    if plan.copies:  # after swap-out read the blocks preempted now, before anything writes
+      self.pool = self._timed(timing, self.copier, self.pool, plan.copies)
+      self.stats['cow_copies'] += len(plan.copies)
     if plan.swap_in:
       self.pool = self._timed(timing, self.tier.swap_in, self.pool, plan.swap_in)
       self.stats['swapped_in_blocks'] += sum(len(src) for src, _ in plan.swap_in)
     for seq, policy in plan.preempted:
       self.stats['preemptions'] += 1
       self.stats[f'preemptions_{policy}'] += 1
+    self.stats['forks'] += len(plan.forked)
 
     chunks = [(s, n) for s, n in plan.rows if n > 1]
     decodes = [(s, n) for s, n in plan.rows if n == 1]
@@ -288,7 +331,11 @@ class Engine:
     self.pool, tokens, logits = self._timed(timing, call)
     sampled = []
     for i, (seq, n) in enumerate(rows):
+      # Prompt positions fed (recomputation after preemption included): what prefix caching saves.
+      self.stats['prompt_tokens_computed'] += max(
+          0, min(seq.num_cached + n, len(seq.prompt_ids)) - seq.num_cached)
       seq.num_cached += n
+      self.blocks.offer_full_blocks(seq)
       if not seq.num_pending:  # not a mid-prompt chunk
         sampled.append((seq, int(tokens[i]), None if logits is None else logits[i]))
     return sampled
@@ -310,7 +357,7 @@ class Engine:
     text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else None
     done = Completion(seq.request_id, seq.prompt_ids, seq.output_ids, seq.finish_reason,
                       seq.num_preemptions, text, self._logits.pop(seq.request_id, None),
-                      seq.arrival_time, seq.first_token_time, now)
+                      seq.arrival_time, seq.first_token_time, now, seq.group_id)
     self.finished[seq.request_id] = done
     self.metrics.record_finish(done)
     return done
@@ -320,7 +367,8 @@ class Engine:
     allocated blocks; `utilization_at_peak` is taken at the last iteration holding the peak
     block count (sequences there are as full as they get before one retires)."""
     used = self.allocator.num_used
-    util = sum(s.num_cached for s in self.running) / max(used * self.block_size, 1)
+    tokens = metrics_lib.slot_usage(self.running, self.block_size)['token_states']
+    util = tokens / max(used * self.block_size, 1)
     self.stats['utilization_sum'] += util
     if used >= self.peak_blocks_used:
       self.peak_blocks_used = used
@@ -353,7 +401,15 @@ class Engine:
     out = self.metrics.summary()
     out.update({k: self.stats[k] for k in (
         'preemptions', 'preemptions_recompute', 'preemptions_swap', 'swapped_out_blocks',
-        'swapped_in_blocks')})
+        'swapped_in_blocks', 'forks', 'cow_copies', 'prompt_tokens_submitted',
+        'prompt_tokens_computed')})
+    submitted = self.stats['prompt_tokens_submitted']
+    out['prefill_tokens_saved_fraction'] = (
+        1 - self.stats['prompt_tokens_computed'] / submitted if submitted else None)
+    out['prefix_caching'] = self.prefix_cache is not None
+    if self.prefix_cache is not None:
+      out.update(self.prefix_cache.figures(), prefix_cache_eviction=self.prefix_cache.eviction,
+                 prefix_cache_design=self.prefix_cache_design)
     out.update(pool_kind=self.pool_kind, preemption=self.preemption,
                block_size=self.block_size, num_blocks=self.allocator.num_blocks,
                kv_bytes_per_token=self.kv_bytes_per_token, kv_pool_bytes=self.pool.nbytes,
@@ -365,7 +421,8 @@ class Engine:
   @property
   def num_compilations(self) -> int:
     """Compilations of the (possibly shared) step and copy programs, all engines included."""
-    return self.step_fn.num_compilations + (self.tier.num_compilations if self.tier else 0)
+    return (self.step_fn.num_compilations + self.copier.num_compilations +
+            (self.tier.num_compilations if self.tier else 0))
 
   @property
   def kv_bytes_per_token(self) -> int:

@@ -9,7 +9,8 @@ import os
 import jax
 
 from pagedjax import quant, sharding, weights
-from pagedjax.config import random_model_config, scheduler_options, validate_model_shape
+from pagedjax.config import (prefix_cache_options, random_model_config, scheduler_options,
+                             validate_model_shape)
 from pagedjax.engine import Engine
 from pagedjax.model import init_params
 from pagedjax.steps import CompiledStep
@@ -54,7 +55,7 @@ def make_engine(config, model_cfg, params, tokenizer, **overrides) -> Engine:
                 attention_impl=config.attention.impl,
                 kv_quant=quant.from_config(config.pool, model_cfg.dtype),
                 eos_id=tokenizer.eos_id if tokenizer is not None else None, tokenizer=tokenizer,
-                **scheduler_options(config))
+                **scheduler_options(config), **prefix_cache_options(config))
   kwargs.update(overrides)
   tp = sharding.validate_mesh(model_cfg, sharding.mesh_model(config), jax.device_count())
   if tp == 1:

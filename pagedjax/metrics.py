@@ -31,12 +31,24 @@ WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable
 
 
 def slot_usage(seqs: Seq[Sequence], block_size: int) -> Dict[str, int]:
-  """Slots of the given sequences' blocks, split into token states, tail, and reservation."""
-  used = sum(s.num_cached for s in seqs)
-  written = sum(-(-s.num_cached // block_size) * block_size for s in seqs)
-  reserved = sum(len(s.block_table) * block_size for s in seqs)
+  """Slots of the given sequences' blocks, split into token states, tail, and reservation.
+
+  A block shared by several sequences (forks, prefix hits) is counted once, as full as its
+  fullest holder has it."""
+  filled = {}  # block -> tokens written in it
+  for s in seqs:
+    for i, b in enumerate(s.block_table):
+      filled[b] = max(filled.get(b, 0), min(max(s.num_cached - i * block_size, 0), block_size))
+  used = sum(filled.values())
+  written = sum(block_size for n in filled.values() if n)
   return {'token_states': used, 'internal_fragmentation': written - used,
-          'reservation': reserved - written}
+          'reservation': len(filled) * block_size - written}
+
+
+def logical_slots(seqs: Seq[Sequence], block_size: int) -> int:
+  """Slots the sequences' block tables name, a shared block once per holder: what they would
+  take without sharing."""
+  return sum(len(s.block_table) for s in seqs) * block_size
 
 
 def percentile(values, q) -> Optional[float]:
@@ -62,7 +74,8 @@ class Metrics:
     if sum(usage.values()) != self.capacity:  # a leaked or doubly held block
       raise RuntimeError(f'slot accounting {usage} does not add up to the pool\'s '
                          f'{self.capacity} slots')
-    row = dict(usage, t=t, running=len(running), waiting=num_waiting, swapped=num_swapped,
+    row = dict(usage, t=t, running=len(running),
+               logical_slots=logical_slots(running, self.block_size), waiting=num_waiting, swapped=num_swapped,
                prefill_tokens=prefill_tokens, decode_tokens=decode_tokens, host_s=host_s,
                device_s=device_s, compile_s=compile_s)
     for key, value in row.items():
@@ -98,6 +111,11 @@ class Metrics:
           host_s_per_step=float(s['host_s'].mean()),
           device_s_per_step=float(s['device_s'].mean()),
           compile_s=float(s['compile_s'].sum()))
+      # Sharing (vLLM's "memory saving"): slots that sharing spared, over what the same block
+      # tables would take unshared, summed over iterations.
+      logical = s['logical_slots'].sum()
+      out['kv_sharing_saved_fraction'] = (
+          float(1 - self._reserved().sum() / logical) if logical else 0.0)
     out.update(self._request_figures())
     return out
 

@@ -6,6 +6,7 @@ generated: a request's samples depend only on its seed, never on batch compositi
 preemption and recompute.
 """
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +14,20 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+  """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters.
+
+  n: parallel samples of one prompt. The engine prefills the prompt once and forks n sequences
+  that share its blocks (copy-on-write); sample i draws with seed `seed + i`.
+  cache_salt: requests share cached prefix blocks only with requests of the same salt.
+  """
   max_new_tokens: int = 32
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
   stop_on_eos: bool = True
+  n: int = 1
+  cache_salt: Optional[str] = None
 
   def validate(self):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -30,6 +38,8 @@ class SamplingParams:
       raise ValueError(f'top_k={self.top_k!r} is not allowed: an integer >= 0 (0 disables it)')
     if not 0 < self.top_p <= 1:
       raise ValueError(f'top_p={self.top_p!r} is not allowed: a number in (0, 1] (1 disables it)')
+    if not isinstance(self.n, int) or self.n < 1:
+      raise ValueError(f'n={self.n!r} is not allowed: an integer >= 1 (parallel samples)')
 
 
 def _sample_row(logits, temperature, top_k, top_p, key):

@@ -6,6 +6,8 @@ Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order)
   swapped  sequences preempted by swap; their cached K/V sit in the host tier
 
 `schedule()` plans one iteration (the order follows vLLM's scheduler):
+  0. A leader of parallel samples whose prompt is cached but for its last token forks its
+     samples (block_manager.fork); each then decodes that token with its own seed.
   1. Every running sequence that is decoding gets a slot for its next token. When the pool is out
      of blocks, the newest running sequence is preempted (by `recompute` or `swap`) until it fits;
      the oldest always progress, so the run cannot livelock.
@@ -18,7 +20,11 @@ Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order)
      size); what is left goes to prompt chunks (at most prefill_chunk tokens each) in FCFS order.
      A prompt's blocks are allocated whole at admission, so a sequence mid-prompt never needs
      more blocks and never preempts anyone.
-The plan is pure host bookkeeping; the engine runs it (copies for swaps, then the jitted steps).
+Admission takes a prompt's cached prefix from the prefix cache when there is one
+(block_manager.admit). A decode whose slot lies in a shared block gets a private copy
+(copy-on-write), listed in `Plan.copies`. Batch rows count a leader's pending forks.
+The plan is pure host bookkeeping; the engine runs it (copies for swaps and copy-on-write, then
+the jitted steps).
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -38,6 +44,9 @@ class Plan:
   rows: List[Tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (seq, tokens)
   preempted: List[Tuple[Sequence, str]] = dataclasses.field(default_factory=list)  # (seq, policy)
   memory_blocked: bool = False  # the waiting head found too few free blocks to be admitted
+  copies: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # copy-on-write
+  # (shared block, private copy), made on the device after swap-out, before the steps
+  forked: List[Sequence] = dataclasses.field(default_factory=list)  # samples split off now
 
 
 def _insert(queue: List[Sequence], seq: Sequence) -> None:
@@ -80,24 +89,39 @@ class Scheduler:
     self.running.remove(seq)
     self.blocks.deallocate(seq)
 
+  def _rows_used(self) -> int:
+    return sum(s.width for s in self.running)
+
   # ---- one iteration ---------------------------------------------------------------------
 
   def schedule(self) -> Plan:
     plan = Plan()
+    self._fork_ready(plan)
     self._reserve_decode_slots(plan)
     if not plan.preempted:
       self._swap_in(plan)
     budget = self.max_num_batched_tokens
     for seq in self.running:  # decodes first: one token each
-      if seq.num_pending == 1:
+      if seq.num_pending == 1 and not seq.forks:
         plan.rows.append((seq, 1))
         budget -= 1
     for seq in self.running:  # then prompts already under way
-      if seq.num_pending > 1 and budget > 0:
+      # (a leader's last chunk may be one token: it is not a decode, its forks sample instead)
+      if seq.num_to_prefill > (0 if seq.forks else 1) and budget > 0:
         budget -= self._add_chunk(plan, seq, budget)
     if not plan.preempted and not self.swapped:
       self._admit(plan, budget)
     return plan
+
+  def _fork_ready(self, plan: Plan) -> None:
+    for seq in list(self.running):
+      if seq.forks and seq.num_pending == 1:
+        for child in seq.forks:
+          self.blocks.fork(seq, child)
+          child.status = Status.RUNNING
+          _insert(self.running, child)
+          plan.forked.append(child)
+        seq.forks = []
 
   def _reserve_decode_slots(self, plan: Plan) -> None:
     for seq in list(self.running):
@@ -108,10 +132,12 @@ class Scheduler:
         if seq.status is not Status.RUNNING:
           break
       else:
-        self.blocks.may_append(seq)
+        copy = self.blocks.may_append(seq)
+        if copy:
+          plan.copies.append(copy)
 
   def _swap_in(self, plan: Plan) -> None:
-    while self.swapped and len(self.running) < self.max_batch_size:
+    while self.swapped and self._rows_used() + self.swapped[0].width <= self.max_batch_size:
       seq = self.swapped[0]
       if not self.blocks.can_allocate(seq, watermark=bool(self.running)):
         break
@@ -127,20 +153,24 @@ class Scheduler:
       _insert(self.running, seq)
 
   def _admit(self, plan: Plan, budget: int) -> None:
-    while self.waiting and len(self.running) < self.max_batch_size and budget > 0:
+    while (self.waiting and self._rows_used() + self.waiting[0].width <= self.max_batch_size
+           and budget > 0):
       seq = self.waiting[0]
-      if not self.blocks.can_allocate(seq, watermark=bool(self.running)):
+      if not self.blocks.can_admit(seq, watermark=bool(self.running)):
         plan.memory_blocked = True
         break
       self.waiting.pop(0)
-      self.blocks.allocate(seq)
+      self.blocks.admit(seq)
       seq.status = Status.RUNNING
       _insert(self.running, seq)
       budget -= self._add_chunk(plan, seq, budget)
 
   def _add_chunk(self, plan: Plan, seq: Sequence, budget: int) -> int:
-    n = min(seq.num_pending, self.prefill_chunk, budget)
-    plan.rows.append((seq, n))
+    """Adds seq's next prompt chunk (none for a leader whose forks are due); returns its size.
+    A non-leader with one pending token goes as a one-token row, like a decode."""
+    n = min(seq.num_to_prefill if seq.forks else seq.num_pending, self.prefill_chunk, budget)
+    if n > 0:
+      plan.rows.append((seq, n))
     return n
 
   # ---- preemption ------------------------------------------------------------------------
@@ -149,7 +179,11 @@ class Scheduler:
     """Swap when the policy says so and the host tier has room; otherwise recompute."""
     self.running.remove(seq)
     seq.num_preemptions += 1
-    if self.preemption == 'swap' and self._swap_out(seq, plan):
+    # Its copy-on-write copies of this iteration are void: their targets go back to the pool.
+    # Until those copies run, the shared originals hold its data (swap-out reads them).
+    undone = {new: old for old, new in plan.copies if new in seq.block_table}
+    plan.copies = [c for c in plan.copies if c[1] not in undone]
+    if self.preemption == 'swap' and self._swap_out(seq, plan, undone):
       plan.preempted.append((seq, 'swap'))
       return
     self.blocks.deallocate(seq)
@@ -157,15 +191,15 @@ class Scheduler:
     self.add(seq)
     plan.preempted.append((seq, 'recompute'))
 
-  def _swap_out(self, seq: Sequence, plan: Plan) -> bool:
+  def _swap_out(self, seq: Sequence, plan: Plan, undone) -> bool:
     n = self.blocks.blocks_for(seq.num_cached)
     if not self.host.can_allocate(n):
       return False
     seq.host_blocks = self.host.allocate(n)
     if n:
       # The device blocks are free for others from now on; the engine copies them out before
-      # this iteration's steps write anything.
-      plan.swap_out.append((seq.block_table[:n], seq.host_blocks))
+      # this iteration's copies and steps write anything.
+      plan.swap_out.append(([undone.get(b, b) for b in seq.block_table[:n]], seq.host_blocks))
     self.blocks.deallocate(seq)
     seq.status = Status.SWAPPED
     _insert(self.swapped, seq)

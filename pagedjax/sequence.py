@@ -24,17 +24,34 @@ class Sequence:
   block_table: List[int] = dataclasses.field(default_factory=list)
   host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
   num_cached: int = 0  # leading tokens whose K/V are in the pool (or, swapped, in the host tier)
+  block_keys: List[int] = dataclasses.field(default_factory=list)  # prefix-cache chain keys of
+  # the full blocks of all_ids computed so far (block_manager.py)
+  num_offered: int = 0  # leading blocks of block_table already offered to the prefix cache
+  forks: List['Sequence'] = dataclasses.field(default_factory=list)  # parallel samples not yet
+  # forked: they split off once this leader has cached all but its last prompt token
   lane: int = 0  # recent-window lane while running (pool.py); 0 = none
   status: Status = Status.WAITING
   finish_reason: Optional[str] = None  # 'eos' | 'length' | 'max_seq_len'
   num_preemptions: int = 0
   first_token_time: Optional[float] = None
   finish_time: Optional[float] = None
+  group_id: Optional[int] = None  # parallel samples (SamplingParams.n): the first sample's id
 
   @property
   def order(self):
     """FCFS priority: earlier arrivals first; preemption takes the last."""
     return (self.arrival_time, self.request_id)
+
+  @property
+  def width(self) -> int:
+    """Batch rows this sequence will take: itself and its pending forks."""
+    return 1 + len(self.forks)
+
+  @property
+  def num_to_prefill(self) -> int:
+    """Pending tokens to feed as prompt chunks: a leader keeps its last prompt token back for
+    its forks, which each feed it as their own first decode (each samples with its own seed)."""
+    return self.num_pending - (1 if self.forks else 0)
 
   @property
   def all_ids(self) -> List[int]:
@@ -63,3 +80,4 @@ class Completion:
   arrival_time: float = 0.0  # engine clock seconds, like the two below
   first_token_time: Optional[float] = None
   finish_time: Optional[float] = None
+  group_id: Optional[int] = None  # parallel samples (SamplingParams.n): the first sample's id

@@ -5,6 +5,8 @@ seconds. The 'sampled' token is a fixed function of the last fed token and its p
 request's outputs do not depend on batching, chunking or preemption (as greedy decoding of a
 real model does not): `expected_outputs` predicts them without an engine.
 """
+import collections
+
 import numpy as np
 
 from pagedjax.engine import Engine
@@ -23,13 +25,16 @@ class FakeStep:
   return_logits = False
   num_compilations = 0
 
-  def __init__(self, on_call=None):
+  def __init__(self, on_call=None, check_inputs=None):
     self.on_call = on_call  # e.g. advance a fake clock, as device time would
+    self.check_inputs = check_inputs  # sees each call's StepInputs (e.g. which slots it writes)
     self.calls = []  # (rows, query tokens) of each call's real rows
 
   def __call__(self, params, pool, inputs):
     if self.on_call:
       self.on_call()
+    if self.check_inputs:
+      self.check_inputs(inputs)
     real = inputs.context_lens > 0
     self.calls.append((int(real.sum()), int((inputs.positions >= 0).sum())))
     last = inputs.tokens[np.arange(len(inputs.logits_index)), inputs.logits_index]
@@ -63,3 +68,41 @@ def fake_engine(clock=None, **kw) -> Engine:
   kw = {'block_size': 4, 'num_blocks': 17, 'max_batch_size': 4, 'prefill_chunk': 8,
         'step_fn': FakeStep(clock.tick), 'timer': clock, **kw}
   return Engine(CFG, None, **kw)
+
+
+def block_holders(engine) -> collections.Counter:
+  """block -> how many sequences' block tables name it (a table may not name one twice)."""
+  holders = collections.Counter()
+  for seq in engine.running:
+    assert len(set(seq.block_table)) == len(seq.block_table), seq.block_table
+    holders.update(seq.block_table)
+  return holders
+
+
+def check_blocks(engine) -> None:
+  """Reference counts equal holders (sequences; a cache entry is not a holder, see
+  prefix_cache.py); free, evictable and held blocks partition the pool's non-null blocks."""
+  alloc, cache = engine.allocator, engine.prefix_cache
+  holders = block_holders(engine)
+  for seq in engine.waiting + engine.swapped:
+    assert not seq.block_table, (seq.request_id, seq.block_table)
+  for seq in engine.running + engine.waiting + engine.swapped:
+    for child in seq.forks:
+      assert not child.block_table
+  free = alloc.free_blocks()
+  assert len(set(free)) == len(free), 'a block is on the free list twice'
+  evictable = set(cache.evictable_blocks()) if cache else set()
+  assert all(cache.is_cached(b) for b in evictable)
+  for b in range(1, alloc.num_blocks):
+    assert alloc.ref_count(b) == holders[b], (b, alloc.ref_count(b), holders[b])
+  held = set(holders)
+  assert not set(free) & held, 'a block is both free and held'
+  assert not evictable & held and not set(free) & evictable
+  assert set(free) | evictable | held == set(range(1, alloc.num_blocks)), 'a block leaked'
+  assert 0 not in held, 'the null block was handed out'
+
+
+def written_blocks(inputs, block_size):
+  """Blocks a step's real query tokens write into."""
+  real = inputs.positions >= 0
+  return set((inputs.slot_mapping[real] // block_size).tolist())

@@ -1,0 +1,173 @@
+"""Prefix caching across requests: a hash chain over full blocks, with evictable cached blocks.
+
+Each full block of a sequence gets a key: hash(parent block's key, its block_size token ids,
+cache salt). The salt enters only the first block's key, and the chain carries it to every later
+one, so requests with different salts (tenants that must not share) never match each other.
+The key covers the whole prefix, so a hit on block i means blocks 0..i are equal too; only
+full blocks are keyed, because a partly filled block is still being written.
+
+Holders and reference counts (allocator.py): a block's ref count is the number of *sequences*
+whose block table holds it. A cache entry is not a holder: when the last sequence drops a
+cached block, the block is neither free nor held but *evictable*: its K/V stay valid, a later
+prompt with the same prefix takes it back (ref count 0 -> 1), and the allocator evicts one
+(dropping its entry) only when its free list is empty. Evictable blocks count as free space.
+
+Eviction: 'lru' evicts the block released longest ago; 'lfu' the one with the fewest hits,
+least recently used first among equals. A lazy heap keeps both O(log n) per operation.
+"""
+import heapq
+import itertools
+from typing import Dict, List, Optional, Sequence as Seq, Tuple
+
+DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
+EVICTION_POLICIES = ('lru', 'lfu')
+
+
+def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
+  """The chain key of one full block (Python's tuple hash: deterministic for ints)."""
+  return hash((parent, tuple(tokens), salt if parent is None else None))
+
+
+def chain_keys(token_ids: Seq[int], block_size: int, num_blocks: int, salt=None,
+               parent: Optional[int] = None, start: int = 0) -> List[int]:
+  """Keys of full blocks start..num_blocks-1 of token_ids, continuing from `parent`."""
+  keys = []
+  for i in range(start, num_blocks):
+    parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
+    keys.append(parent)
+  return keys
+
+
+class CacheBase:
+  """What both designs share: the evictable set under a policy, and the hit figures.
+
+  A design implements match(seq, n) (blocks of seq's longest cached prefix among its first n
+  full blocks), offer(seq, n) (cache seq's blocks num_offered..n-1, just filled), __len__,
+  is_cached(block), _can_evict(block) and _drop(block) (forget a victim's entry)."""
+
+  def __init__(self, block_size: int, eviction: str = 'lru'):
+    if eviction not in EVICTION_POLICIES:
+      raise ValueError(f'eviction {eviction!r} is not allowed: one of {EVICTION_POLICIES}')
+    self.block_size = block_size
+    self.eviction = eviction
+    self._hits: Dict[int, int] = {}  # cached block -> hits (LFU)
+    self._evictable: Dict[int, Tuple] = {}  # block -> its current heap priority
+    self._heap: List[Tuple] = []  # (priority, block), stale entries skipped on pop
+    self._tick = itertools.count()
+    # Figures (metrics): per admission lookup, and evictions.
+    self.queried_blocks = self.hit_blocks = 0
+    self.queried_tokens = self.hit_tokens = 0
+    self.evictions = 0
+
+  @property
+  def num_evictable(self) -> int:
+    return len(self._evictable)
+
+  def is_evictable(self, block: int) -> bool:
+    return block in self._evictable
+
+  def evictable_blocks(self) -> List[int]:
+    return list(self._evictable)
+
+  def record_lookup(self, queried_blocks: int, hit_blocks: int, queried_tokens: int) -> None:
+    self.queried_blocks += queried_blocks
+    self.hit_blocks += hit_blocks
+    self.queried_tokens += queried_tokens
+    self.hit_tokens += hit_blocks * self.block_size
+
+  def touch(self, block: int) -> None:
+    """A hit: the block is taken by a sequence (leaving the evictable set if it was there)."""
+    self._hits[block] += 1
+    self._evictable.pop(block, None)
+
+  def release(self, block: int) -> None:
+    """The last sequence dropped this cached block: it becomes evictable."""
+    priority = (next(self._tick),) if self.eviction == 'lru' else (
+        self._hits[block], next(self._tick))
+    self._evictable[block] = priority
+    heapq.heappush(self._heap, (priority, block))
+
+  def _requeue(self, block: int) -> None:
+    """An evictable block the policy passed over (_can_evict) may go now: queue it again."""
+    if block in self._evictable:
+      heapq.heappush(self._heap, (self._evictable[block], block))
+
+  def evict(self) -> int:
+    """Drops the policy's victim from the cache and returns its block (now free to reuse)."""
+    while self._heap:
+      priority, block = heapq.heappop(self._heap)
+      if self._evictable.get(block) == priority and self._can_evict(block):
+        del self._evictable[block]
+        del self._hits[block]
+        self._drop(block)
+        self.evictions += 1
+        return block
+    raise RuntimeError('no evictable block')
+
+  def figures(self) -> dict:
+    return {
+        'prefix_hit_rate_tokens': self.hit_tokens / self.queried_tokens
+                                  if self.queried_tokens else None,
+        'prefix_hit_rate_blocks': self.hit_blocks / self.queried_blocks
+                                  if self.queried_blocks else None,
+        'prefix_hit_tokens': self.hit_tokens, 'prefix_queried_tokens': self.queried_tokens,
+        'prefix_hit_blocks': self.hit_blocks, 'prefix_queried_blocks': self.queried_blocks,
+        'prefix_cache_evictions': self.evictions, 'prefix_cached_blocks': len(self),
+    }
+
+
+class PrefixCache(CacheBase):
+  """The hash-chain design: key -> block for full blocks whose K/V are in the pool."""
+
+  def __init__(self, block_size: int, eviction: str = 'lru'):
+    super().__init__(block_size, eviction)
+    self._block_of: Dict[int, int] = {}  # key -> block
+    self._key_of: Dict[int, int] = {}  # block -> key
+
+  def __len__(self) -> int:
+    return len(self._block_of)
+
+  def is_cached(self, block: int) -> bool:
+    return block in self._key_of
+
+  def lookup(self, key: int) -> Optional[int]:
+    return self._block_of.get(key)
+
+  def _keys(self, seq, n: int) -> List[int]:
+    """Chain keys of seq's first n full blocks (kept on seq: its tokens only ever grow)."""
+    have = len(seq.block_keys)
+    if have < n:
+      parent = seq.block_keys[-1] if have else None
+      seq.block_keys += chain_keys(seq.all_ids, self.block_size, n, seq.params.cache_salt,
+                                   parent, have)
+    return seq.block_keys[:n]
+
+  def match(self, seq, n: int) -> List[int]:
+    blocks = []
+    for key in self._keys(seq, n):
+      block = self._block_of.get(key)
+      if block is None:
+        break  # a miss ends the prefix
+      blocks.append(block)
+    return blocks
+
+  def offer(self, seq, n: int) -> None:
+    keys = self._keys(seq, n)
+    for i in range(seq.num_offered, n):
+      self.insert(keys[i], seq.block_table[i])
+
+  def insert(self, key: int, block: int) -> bool:
+    """Caches a held, just-filled block; False when the key already names another block (two
+    sequences computed the same prefix at once: the first one keeps the entry)."""
+    if key in self._block_of or block in self._key_of:
+      return False
+    self._block_of[key] = block
+    self._key_of[block] = key
+    self._hits[block] = 0
+    return True
+
+  def _can_evict(self, block: int) -> bool:
+    return True  # a key covers its whole prefix: an entry stays valid after its parent goes
+
+  def _drop(self, block: int) -> None:
+    del self._block_of[self._key_of.pop(block)]
