@@ -9,6 +9,10 @@ Two studies with one tiny random Llama (configs/reproduce_memory.py's shape, byt
   parallel_sampling  Alpaca-like and ShareGPT-like traces, each request asking for n samples
                      (n in `sample_n`); KV memory saved by sharing the prompt's blocks.
   multi_turn         chats that resend their history each turn, caching off and on.
+  beam_search        the parallel_sampling traces decoded by beam search (widths
+                     `beam_widths`); KV memory saved by the beams' shared blocks. `:tiny`
+                     leaves it out (beam_widths=[]) so its smoke run stays as it was;
+                     `:tiny_beam` is `:tiny` with it.
 `:tiny` is a seconds-long smoke run of the same pipeline.
 """
 import ml_collections
@@ -40,8 +44,11 @@ def get_config(arg=None):
   config.parallel_sampling = ml_collections.ConfigDict(dict(
       datasets=['alpaca', 'sharegpt'], sample_n=[2, 4, 6], num_requests=8, seed=0,
       max_input_len=1024, max_output_len=1024, temperature=1.0, calibrate=True))
+  config.beam_search = ml_collections.ConfigDict(dict(
+      datasets=['alpaca', 'sharegpt'], beam_widths=[2, 4, 6], num_requests=8, seed=0,
+      max_input_len=1024, max_output_len=1024, calibrate=True))
 
-  if arg == 'tiny':
+  if arg in ('tiny', 'tiny_beam'):
     config.engine.max_seq_len = 256
     config.engine.max_batch_size = 8
     config.engine.prefill_chunk = 32
@@ -53,6 +60,10 @@ def get_config(arg=None):
                                   max_output_len=8))
     config.parallel_sampling.update(dict(sample_n=[2], num_requests=3, max_input_len=48,
                                          max_output_len=16, calibrate=False))
+    config.beam_search.update(dict(beam_widths=[2] if arg == 'tiny_beam' else [],
+                                   num_requests=3, max_input_len=48, max_output_len=16,
+                                   calibrate=False))
   elif arg:
-    raise ValueError(f'configs/reproduce_sharing.py: unknown variant {arg!r}; allowed: tiny')
+    raise ValueError(f'configs/reproduce_sharing.py: unknown variant {arg!r}; allowed: tiny, '
+                     'tiny_beam')
   return config

@@ -22,6 +22,9 @@ arrival time becomes visible to the scheduler once the clock reaches it.
 Sharing: with `prefix_caching`, full blocks are cached across requests (prefix_cache.py) and a
 prompt's cached prefix skips prefill. `SamplingParams(n=k)` submits k samples of one prompt:
 request ids id..id+k-1 (submit returns the first), one prefill, blocks shared until written.
+`SamplingParams(beam_width=k)` runs beam search (beam.py): one request id, one prefill, then k
+beams that fork (shared blocks, copy-on-write) and free as the search keeps and drops them;
+decode calls holding a beam row use the step variant that returns top-K log-probs.
 """
 import collections
 import dataclasses
@@ -32,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
+from pagedjax import beam as beam_lib
 from pagedjax import pool as pool_lib
 from pagedjax import quant
 from pagedjax import prefix_cache, radix_cache
@@ -151,6 +155,7 @@ class Engine:
     self.finished: Dict[int, Completion] = {}
     self._logits: Dict[int, list] = collections.defaultdict(list)
     self._next_id = 0
+    self._beam_groups: List[beam_lib.BeamGroup] = []  # beam requests under way
     self.metrics = Metrics(block_size, num_blocks)
     self.stats = collections.Counter()
     self.peak_blocks_used = 0
@@ -200,6 +205,11 @@ class Engine:
                          f'{self.max_batch_size} (they decode in one batch)')
     if params.n > 1 and not self._can_share:
       raise RequestError('parallel samples share blocks, which a recent-window pool cannot')
+    if params.beam_width > self.max_batch_size:
+      raise RequestError(f'beam_width={params.beam_width}: at most max_batch_size='
+                         f'{self.max_batch_size} (the beams decode in one batch)')
+    if params.beam_width and not self._can_share:
+      raise RequestError('beams share blocks, which a recent-window pool cannot')
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
     if self.blocks.blocks_for(longest) > self.allocator.num_blocks - 1:
       raise RequestError(
@@ -214,6 +224,11 @@ class Engine:
              for i in range(params.n)]
     seq = group[0]
     seq.forks = group[1:]
+    if params.beam_width:
+      seq.group_id, seq.extra_rows = seq.request_id, params.beam_width - 1
+      seq.beam = beam_lib.BeamGroup(seq, params.beam_width, params.length_penalty,
+                                    self.eos_id if params.stop_on_eos else None)
+      self._beam_groups.append(seq.beam)
     self._next_id += params.n
     for s in group:
       self._live[s.request_id] = s
@@ -282,6 +297,7 @@ class Engine:
         decode_tokens=len(decodes), host_s=now - self.clock - timing['device'],
         device_s=timing['device'], compile_s=timing['compile'])
     completions = [self._retire(seq, reason, now) for seq, reason in done]
+    completions += self._advance_beams(now)
     self.stats['device_seconds'] += timing['device']
     self.stats['compile_seconds'] += timing['compile']
     self.clock = now
@@ -322,13 +338,18 @@ class Engine:
     batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
     inputs = build_step_inputs(specs, self.block_size, batch_buckets, self.token_buckets,
                                self.block_buckets)
+    # A call holding a beam row returns top-K candidates too (one K bucket for the call).
+    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.cfg.vocab_size)
+                for s, _ in rows if s.beam), default=0)
+    step_fn = self.step_fn.with_topk(topk) if topk else self.step_fn
 
     def call():
-      out = self.step_fn(self.params, self.pool, inputs)
+      out = step_fn(self.params, self.pool, inputs)
       logits = np.asarray(out[2]) if self.record_logits else None
-      return out[0], np.asarray(out[1]), logits
+      cands = (np.asarray(out[-2]), np.asarray(out[-1])) if topk else None
+      return out[0], np.asarray(out[1]), logits, cands
 
-    self.pool, tokens, logits = self._timed(timing, call)
+    self.pool, tokens, logits, cands = self._timed(timing, call)
     sampled = []
     for i, (seq, n) in enumerate(rows):
       # Prompt positions fed (recomputation after preemption included): what prefix caching saves.
@@ -336,9 +357,89 @@ class Engine:
           0, min(seq.num_cached + n, len(seq.prompt_ids)) - seq.num_cached)
       seq.num_cached += n
       self.blocks.offer_full_blocks(seq)
-      if not seq.num_pending:  # not a mid-prompt chunk
+      if not seq.num_pending and seq.beam:  # a beam's token is chosen by its group
+        seq.beam.offer(seq, cands[0][i], cands[1][i])
+      elif not seq.num_pending:  # not a mid-prompt chunk
         sampled.append((seq, int(tokens[i]), None if logits is None else logits[i]))
     return sampled
+
+  # ---- beam search -----------------------------------------------------------------------
+
+  def _advance_beams(self, now: float) -> List[Completion]:
+    """Expands every beam group whose live beams all hold this iteration's candidates
+    (beam.py): a beam kept c times continues with its best kept token and forks c - 1 children
+    (shared blocks; the next iteration's slot reservation copies a partly filled last block),
+    a beam kept 0 times frees its blocks. After the iteration's memory sample, like retirement.
+    Returns the completions of the groups that finished."""
+    done = []
+    for group in list(self._beam_groups):
+      if not group.ready(Status.RUNNING):
+        continue
+      beams, leader = group.live, group.leader
+      ids = np.stack([group.candidates[id(b)][0] for b in beams])
+      logprobs = np.stack([group.candidates[id(b)][1] for b in beams])
+      length = len(beams[0].output_ids) + 1
+      out_of_room = beams[0].num_tokens + 1 >= self.max_seq_len
+      last = length >= leader.params.max_new_tokens or out_of_room
+      kept, ended = beam_lib.expand([group.logprob[id(b)] for b in beams], ids, logprobs,
+                                    width=group.width, eos_id=group.eos_id, last=last)
+      for b, token, lp in ended:
+        reason = ('eos' if group.eos_id is not None and token == group.eos_id else
+                  'length' if length >= leader.params.max_new_tokens else 'max_seq_len')
+        group.add_finished(beams[b].output_ids + [token], lp, reason)
+      kept_beams = {b for b, _, _ in kept}
+      for b, beam in enumerate(beams):
+        if b not in kept_beams:
+          self._drop_beam(beam)
+      outputs = [list(b.output_ids) for b in beams]  # before any kept token is appended
+      live, logprob, used = [], {}, set()
+      for b, token, lp in kept:  # best first: a beam keeps its best token, forks the others
+        target = beams[b]
+        if b in used:
+          target = Sequence(leader.request_id, target.prompt_ids, target.params,
+                            arrival_time=target.arrival_time, output_ids=list(outputs[b]),
+                            group_id=leader.group_id, beam=group)
+          self.scheduler.fork_running(beams[b], target)
+          self.stats['forks'] += 1
+        used.add(b)
+        target.output_ids.append(token)
+        live.append(target)
+        logprob[id(target)] = lp
+      self.stats['generated_tokens'] += len(kept)
+      leader.extra_rows = 0  # its reserved rows are the forks' now
+      if leader.first_token_time is None:
+        leader.first_token_time = now
+      group.live, group.logprob, group.candidates = live, logprob, {}
+      if group.done(kept):
+        done.append(self._retire_beams(group, now))
+    return done
+
+  def _drop_beam(self, beam: Sequence) -> None:
+    beam.beam.num_preemptions += beam.num_preemptions
+    self.scheduler.finish(beam)
+    self._release_lane(beam)
+    beam.status = Status.FINISHED
+
+  def _retire_beams(self, group: beam_lib.BeamGroup, now: float) -> Completion:
+    """Frees the group's remaining live beams; its Completion is the best hypothesis, with all
+    k (output ids, score) best first in `beams`."""
+    for beam in group.live:
+      self._drop_beam(beam)
+    group.live = []
+    self._beam_groups.remove(group)
+    leader, best = group.leader, group.best()
+    top = best[0]
+    leader.status, leader.finish_reason, leader.finish_time = (Status.FINISHED,
+                                                               top.finish_reason, now)
+    del self._live[leader.request_id]
+    text = self.tokenizer.decode(top.output_ids) if self.tokenizer else None
+    done = Completion(leader.request_id, leader.prompt_ids, top.output_ids, top.finish_reason,
+                      group.num_preemptions, text, None, leader.arrival_time,
+                      leader.first_token_time, now, leader.group_id, score=top.score,
+                      beams=[(h.output_ids, h.score) for h in best])
+    self.finished[leader.request_id] = done
+    self.metrics.record_finish(done)
+    return done
 
   def _finish_reason(self, seq: Sequence) -> Optional[str]:
     if seq.params.stop_on_eos and self.eos_id is not None and seq.output_ids[-1] == self.eos_id:
@@ -422,6 +523,7 @@ class Engine:
   def num_compilations(self) -> int:
     """Compilations of the (possibly shared) step and copy programs, all engines included."""
     return (self.step_fn.num_compilations + self.copier.num_compilations +
+            getattr(self.step_fn, 'num_topk_compilations', 0) +
             (self.tier.num_compilations if self.tier else 0))
 
   @property

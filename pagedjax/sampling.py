@@ -19,6 +19,9 @@ class SamplingParams:
   n: parallel samples of one prompt. The engine prefills the prompt once and forks n sequences
   that share its blocks (copy-on-write); sample i draws with seed `seed + i`.
   cache_salt: requests share cached prefix blocks only with requests of the same salt.
+  beam_width: k > 0 runs beam search with k beams (beam.py) instead of sampling; 0 is off.
+  length_penalty: alpha of GNMT's ((5 + len) / 6) ** alpha dividing a finished beam's summed
+  log-prob (beam search only; 0 ranks by summed log-prob).
   """
   max_new_tokens: int = 32
   temperature: float = 0.0
@@ -28,6 +31,8 @@ class SamplingParams:
   stop_on_eos: bool = True
   n: int = 1
   cache_salt: Optional[str] = None
+  beam_width: int = 0
+  length_penalty: float = 0.0
 
   def validate(self):
     if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -40,6 +45,15 @@ class SamplingParams:
       raise ValueError(f'top_p={self.top_p!r} is not allowed: a number in (0, 1] (1 disables it)')
     if not isinstance(self.n, int) or self.n < 1:
       raise ValueError(f'n={self.n!r} is not allowed: an integer >= 1 (parallel samples)')
+    if not isinstance(self.beam_width, int) or self.beam_width < 0:
+      raise ValueError(f'beam_width={self.beam_width!r} is not allowed: an integer >= 0 '
+                       '(0 is off)')
+    if self.beam_width and (self.n > 1 or self.temperature > 0):
+      raise ValueError(f'beam_width={self.beam_width} is not allowed with n={self.n} or '
+                       f'temperature={self.temperature}: beam search is deterministic and '
+                       'returns its beams itself')
+    if not self.length_penalty >= 0:
+      raise ValueError(f'length_penalty={self.length_penalty!r} is not allowed: a number >= 0')
 
 
 def _sample_row(logits, temperature, top_k, top_p, key):

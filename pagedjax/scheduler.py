@@ -89,6 +89,13 @@ class Scheduler:
     self.running.remove(seq)
     self.blocks.deallocate(seq)
 
+  def fork_running(self, parent: Sequence, child: Sequence) -> None:
+    """A beam kept more than once (beam.py): child shares parent's blocks and runs beside it.
+    Its batch row is one its group reserved at admission (Sequence.extra_rows)."""
+    self.blocks.fork(parent, child)
+    child.status = Status.RUNNING
+    _insert(self.running, child)
+
   def _rows_used(self) -> int:
     return sum(s.width for s in self.running)
 

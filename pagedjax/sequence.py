@@ -36,6 +36,8 @@ class Sequence:
   first_token_time: Optional[float] = None
   finish_time: Optional[float] = None
   group_id: Optional[int] = None  # parallel samples (SamplingParams.n): the first sample's id
+  beam: Optional[object] = None  # the BeamGroup (beam.py) of a beam-search request's beams
+  extra_rows: int = 0  # batch rows reserved for beams not forked yet (a beam leader's k - 1)
 
   @property
   def order(self):
@@ -44,8 +46,8 @@ class Sequence:
 
   @property
   def width(self) -> int:
-    """Batch rows this sequence will take: itself and its pending forks."""
-    return 1 + len(self.forks)
+    """Batch rows this sequence will take: itself, its pending forks and reserved beams."""
+    return 1 + len(self.forks) + self.extra_rows
 
   @property
   def num_to_prefill(self) -> int:
@@ -81,3 +83,5 @@ class Completion:
   first_token_time: Optional[float] = None
   finish_time: Optional[float] = None
   group_id: Optional[int] = None  # parallel samples (SamplingParams.n): the first sample's id
+  score: Optional[float] = None  # beam search: the best hypothesis's score (beam.py)
+  beams: Optional[list] = None  # beam search: (output_ids, score) of the k best, best first
