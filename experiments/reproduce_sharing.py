@@ -116,14 +116,19 @@ def multi_turn(config, log) -> dict:
   return prefix_study(config, requests, 'multi_turn', log)
 
 
+def _dataset_trace(p, dataset):
+  """The seeded Alpaca- or ShareGPT-like trace a fork study (section `p`) replays."""
+  return workloads.synthetic_trace(
+      p.num_requests, dataset, encode=workloads.byte_encode, seed=p.seed,
+      max_input_len=p.max_input_len, max_output_len=p.max_output_len, calibrate=p.calibrate)
+
+
 def parallel_sampling(config, log) -> dict:
   p = config.parallel_sampling
   config = _with_cache(config, False)  # sharing here comes from forks alone
   out = {}
   for dataset in p.datasets:
-    requests = workloads.synthetic_trace(
-        p.num_requests, dataset, encode=workloads.byte_encode, seed=p.seed,
-        max_input_len=p.max_input_len, max_output_len=p.max_output_len, calibrate=p.calibrate)
+    requests = _dataset_trace(p, dataset)
     out[dataset] = {}
     for n in p.sample_n:
       row = replay(config, requests, n=n, temperature=p.temperature, seed=p.seed)
@@ -141,9 +146,7 @@ def beam_search(config, log) -> dict:
   config = _with_cache(config, False)
   out = {}
   for dataset in p.datasets:
-    requests = workloads.synthetic_trace(
-        p.num_requests, dataset, encode=workloads.byte_encode, seed=p.seed,
-        max_input_len=p.max_input_len, max_output_len=p.max_output_len, calibrate=p.calibrate)
+    requests = _dataset_trace(p, dataset)
     out[dataset] = {}
     for width in p.beam_widths:
       row = replay(config, requests, beam_width=width)
