@@ -101,7 +101,7 @@ def _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_s
 # Paths that index a layer-stacked pool themselves. The others get one layer sliced out, which
 # on XLA materialises a copy of that layer's pages: fine for a kernel test, a pool-sized cost
 # per step inside the model (see pagedjax/pool.py).
-LAYERED_IMPLS = ('reference', 'xla')
+LAYERED_IMPLS = ('reference', 'xla', 'pallas_tpu')
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,

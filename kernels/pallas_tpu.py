@@ -34,24 +34,33 @@ from kernels import check_inputs
 # Wrapper
 # ------------------------------------------------------------------------------------------------
 def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                               scale=None, k_scales=None, v_scales=None, interpret=None):
+                               scale=None, k_scales=None, v_scales=None, interpret=None,
+                               layer=None):
   """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
 
   interpret: None runs TPU interpret mode whenever the default backend is not a TPU.
+  layer: index into layer-stacked pages [L, N, ...] (and scales); the K/V index maps DMA that
+  layer's blocks straight from the stacked pool, so no layer is sliced out.
   """
-  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
+  if layer is None:
+    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                 v_scales)
+    layer = 0
+    k_pages, v_pages = k_pages[None], v_pages[None]
+    k_scales, v_scales = (None, None) if k_scales is None else (k_scales[None], v_scales[None])
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if interpret is None:
     interpret = jax.default_backend() != 'tpu'
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, scale=scale, interpret=bool(interpret))
+                          k_scales, v_scales, jnp.asarray(layer, jnp.int32).reshape(1),
+                          scale=scale, interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'interpret'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                     v_scales, *, scale, interpret):
+                     v_scales, layer, *, scale, interpret):
   batch, num_q, num_heads, head_dim = q.shape
-  _, num_kv_heads, block_size, _ = k_pages.shape
+  _, _, num_kv_heads, block_size, _ = k_pages.shape
   max_blocks = block_tables.shape[1]
   group = num_heads // num_kv_heads
   rows = num_q * group
@@ -65,13 +74,15 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   row_seen = jnp.repeat(seen, group, axis=1)[:, :, None]  # [B, R, 1]
   num_blocks = jnp.minimum(max_blocks, (jnp.max(seen, axis=1) + block_size - 1) // block_size)
 
-  def kv_index(b, h, j, tables, counts, lens):
-    del lens
+  def block_index(b, j, tables, counts):
     # Past the visible blocks, repeat the last one: same index, so no new DMA.
-    jj = jnp.minimum(j, jnp.maximum(counts[b] - 1, 0))
-    return tables[b, jj], h, 0, 0
+    return tables[b, jnp.minimum(j, jnp.maximum(counts[b] - 1, 0))]
 
-  kv_spec = pl.BlockSpec((None, None, block_size, head_dim), kv_index)
+  def kv_index(b, h, j, tables, counts, lens, layer):
+    del lens
+    return layer[0], block_index(b, j, tables, counts), h, 0, 0
+
+  kv_spec = pl.BlockSpec((None, None, None, block_size, head_dim), kv_index)
   in_specs = [
       pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j, *_: (b, h, 0, 0)),
       pl.BlockSpec((None, rows, 1), lambda b, h, j, *_: (b, 0, 0)),
@@ -79,17 +90,17 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   ]
   operands = [qg, row_seen, k_pages, v_pages]
   if quantized:
-    # [N, Hkv, bs] -> [N, Hkv, 1, bs] so a block's scales are a full-width [1, bs] row.
-    scale_spec = pl.BlockSpec((None, None, 1, block_size), kv_index)
+    # [L, N, Hkv, bs] -> [L, N, Hkv, 1, bs] so a block's scales are a full-width [1, bs] row
+    # (a free reshape; the kernel widens them to float32 itself).
+    scale_spec = pl.BlockSpec((None, None, None, 1, block_size), kv_index)
     in_specs += [scale_spec, scale_spec]
-    operands += [k_scales.astype(jnp.float32)[:, :, None, :],
-                 v_scales.astype(jnp.float32)[:, :, None, :]]
+    operands += [k_scales[:, :, :, None, :], v_scales[:, :, :, None, :]]
 
   kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized)
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
+          num_scalar_prefetch=4,
           grid=(batch, num_kv_heads, max_blocks),
           in_specs=in_specs,
           out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j, *_: (b, h, 0, 0)),
@@ -100,7 +111,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'arbitrary')),
       interpret=pltpu.InterpretParams() if interpret else False,
-  )(block_tables, num_blocks.astype(jnp.int32), context_lens, *operands)
+  )(block_tables, num_blocks.astype(jnp.int32), context_lens, layer, *operands)
   out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, num_q, num_heads, head_dim)
 
@@ -108,11 +119,11 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
 # ------------------------------------------------------------------------------------------------
 # Kernel body
 # ------------------------------------------------------------------------------------------------
-def _kernel(tables_ref, counts_ref, lens_ref,  # scalar prefetch (SMEM)
+def _kernel(tables_ref, counts_ref, lens_ref, layer_ref,  # scalar prefetch (SMEM)
             q_ref, seen_ref, k_ref, v_ref, *rest, scale, block_size, quantized):
   """q_ref [R, D]; seen_ref [R, 1]; k_ref, v_ref [bs, D]; (ks_ref, vs_ref [1, bs]);
   o_ref [R, D]; scratch m_ref, l_ref [R, 1], acc_ref [R, D]."""
-  del tables_ref  # used by the index maps only
+  del tables_ref, layer_ref  # used by the index maps only
   if quantized:
     ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
   else:
@@ -132,7 +143,7 @@ def _kernel(tables_ref, counts_ref, lens_ref,  # scalar prefetch (SMEM)
     k = k_ref[...].astype(f32)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=f32)
     if quantized:
-      s = s * ks_ref[...]
+      s = s * ks_ref[...].astype(f32)
     rows = s.shape[0]
     pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
     visible = pos < seen_ref[...]  # [R, bs]
@@ -144,7 +155,7 @@ def _kernel(tables_ref, counts_ref, lens_ref,  # scalar prefetch (SMEM)
     alpha = jnp.exp(m_prev - m_shift)
     l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
     if quantized:
-      p = jnp.where(visible, p * vs_ref[...], 0.0)
+      p = jnp.where(visible, p * vs_ref[...].astype(f32), 0.0)
     slot = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
     v = jnp.where(slot < lens_ref[b], v_ref[...].astype(f32), 0.0)  # past-length slots: garbage
     pv = jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), preferred_element_type=f32)

@@ -431,3 +431,24 @@ def test_xla_context_split_matches_reference(splits, num_q):
   assert_close(got, run(case, 'reference'), jnp.float32)
   one = {k: v[:1] if k not in ('k_pages', 'v_pages') else v for k, v in case.items()}
   assert_close(run(one, 'xla'), run(one, 'reference'), jnp.float32)  # batch 1: split by default
+
+
+@pytest.mark.parametrize('impl', ['reference', 'xla', 'pallas_tpu', 'pallas_gpu'])
+@pytest.mark.parametrize('quantized', [False, True])
+def test_layer_stacked_pool_reads_the_right_layer(impl, quantized):
+  """The model passes the whole [L, N, ...] pool with `layer=`: every path must read that layer
+  (in place where it can, sliced otherwise) and match the same case given one layer."""
+  if quantized and impl == 'pallas_gpu':
+    pytest.skip('pallas_gpu reads float pages only (auto routes quantized pools to xla)')
+  case = make_case(21, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3)
+  other = make_case(22, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3)
+  if quantized:
+    case, other = quantize(case, jnp.int8), quantize(other, jnp.int8)
+  names = ('k_pages', 'v_pages') + (('k_scales', 'v_scales') if quantized else ())
+  stacked = {n: jnp.stack([other[n], case[n], other[n]]) for n in names}
+  kwargs = {n: stacked[n] for n in ('k_scales', 'v_scales') if n in stacked}
+  got = paged_attention(case['q'], stacked['k_pages'], stacked['v_pages'], case['block_tables'],
+                        case['context_lens'], case['q_positions'], impl=impl,
+                        layer=jnp.int32(1), **kwargs)
+  want = run_quant(case, 'reference') if quantized else run(case, 'reference')
+  assert_close(got, want, jnp.float32)
