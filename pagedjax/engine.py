@@ -53,6 +53,11 @@ from pagedjax.steps import CompiledStep
 from pagedjax.swap import HostTier
 
 
+# run() gives up after this many iterations in a row that compute nothing (a stall, e.g. beams
+# waiting on a preempted sibling that can never be readmitted), instead of looping forever.
+MAX_IDLE_ITERATIONS = 1000
+
+
 class RequestError(ValueError):
   """A request rejected at submission; the engine and its other requests are unaffected."""
 
@@ -488,9 +493,21 @@ class Engine:
   def run(self) -> List[Completion]:
     """Step until every submitted request has finished; completions in submission order."""
     ids = sorted(self._live)
+    idle = 0
     while self.has_work():
+      before = self._progress()
       self.step()
+      idle = 0 if self._progress() != before else idle + 1
+      if idle >= MAX_IDLE_ITERATIONS:  # a scheduling bug or a pool too small to make progress
+        raise RuntimeError(
+            f'no progress in {idle} iterations: {len(self.running)} running, '
+            f'{len(self.waiting)} waiting, {self.allocator.num_free} free blocks')
     return [self.finished[i] for i in ids]
+
+  def _progress(self) -> tuple:
+    """What an iteration that does any work changes: tokens cached, generated, finished."""
+    return (self.stats['generated_tokens'], len(self.finished),
+            sum(seq.num_cached for seq in self.running))
 
   def generate(self, prompts, params: SamplingParams = SamplingParams()) -> List[Completion]:
     for prompt in prompts:
