@@ -85,6 +85,12 @@ def check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions,
     raise ValueError(f'{k_pages.dtype} pages need k_scales and v_scales')
 
 
+def stack_one_layer(*arrays):
+  """One layer's pages/scales as a layer-stacked [1, ...] view (None stays None), for the paths
+  that index a stacked pool with `layer`."""
+  return tuple(None if x is None else x[None] for x in arrays)
+
+
 def _layer_view(x):
   """Shape/dtype of one layer of a layer-stacked array (for validation only, no data)."""
   return None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels import check_inputs
+from kernels import check_inputs, stack_one_layer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -42,12 +42,11 @@ def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, 
   layer: index into layer-stacked pages [L, N, ...] (and scales); the K/V index maps DMA that
   layer's blocks straight from the stacked pool, so no layer is sliced out.
   """
-  if layer is None:
+  if layer is None:  # one layer's pages: check them, then view them as a stack of one
     check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
                  v_scales)
-    layer = 0
-    k_pages, v_pages = k_pages[None], v_pages[None]
-    k_scales, v_scales = (None, None) if k_scales is None else (k_scales[None], v_scales[None])
+    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
+        k_pages, v_pages, k_scales, v_scales)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if interpret is None:
     interpret = jax.default_backend() != 'tpu'
