@@ -4,6 +4,7 @@ With config.mesh.model > 1 the engine runs tensor-parallel (pagedjax/sharding.py
 the pool are placed on a ('model',) mesh here, after the engine is built, so the engine and its
 host logic are the same code for one device or many.
 """
+import dataclasses
 import os
 
 import jax
@@ -33,7 +34,7 @@ def load_model_and_tokenizer(config):
     tokenizer = Tokenizer.from_gguf(weights.smollm2_gguf_path())
   else:
     model_cfg, params = weights.load_model(m.source, m.path or None, cache_dir)
-    model_cfg = model_cfg.__class__(**{**model_cfg.__dict__, 'dtype': m.dtype})
+    model_cfg = dataclasses.replace(model_cfg, dtype=m.dtype)
     if m.source == 'safetensors':
       tokenizer = Tokenizer.from_file(os.path.join(m.path, 'tokenizer.json'))
     else:

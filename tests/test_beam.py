@@ -1,9 +1,6 @@
 """Beam search (beam.py) through the engine: selection against brute force on the tiny model,
 beam width 1 against greedy, and block bookkeeping while beams fork and drop."""
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +12,7 @@ from pagedjax.engine import RequestError
 from pagedjax.sampling import SamplingParams
 
 from fakes import check_blocks
-from tiny_models import VOCAB, dense_fn, make_engine, prompts, tiny
+from tiny_models import VOCAB, dense_fn, make_engine, prompts, run_experiment, tiny
 
 
 def _logprobs(ids_batch):
@@ -156,10 +153,8 @@ def test_beam_requests_rejected():
 def test_reproduce_sharing_beam_study(tmp_path):
   """The sharing experiment's beam study end to end (`:tiny_beam`), in its own process like
   test_sharing's smoke run: beams share blocks on both traces."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [sys.executable, '-m', 'experiments.reproduce_sharing',
-         '--config=configs/reproduce_sharing.py:tiny_beam', f'--workdir={tmp_path}']
-  run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+  run = run_experiment('experiments.reproduce_sharing',
+                       '--config=configs/reproduce_sharing.py:tiny_beam', f'--workdir={tmp_path}')
   assert run.returncode == 0, run.stderr[-3000:]
   with open(tmp_path / 'summary.json') as f:
     s = json.load(f)

@@ -1,16 +1,13 @@
 """The main job end to end: the tiny config through absl flags, and SmolLM2 through the engine."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from pagedjax import factory
 from pagedjax.sampling import SamplingParams
 from configs import default
+from tiny_models import run_experiment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY_KEYS = ('model', 'num_requests', 'generated_tokens', 'tokens_per_second',
                 'kv_blocks_total', 'kv_blocks_peak_used', 'kv_utilization', 'num_compilations',
                 'outputs')
@@ -18,9 +15,9 @@ SUMMARY_KEYS = ('model', 'num_requests', 'generated_tokens', 'tokens_per_second'
 
 @pytest.mark.slow
 def test_decode_tiny_writes_summary(tmp_path):
-  cmd = [sys.executable, '-m', 'experiments.decode', '--config=configs/default.py:tiny',
-         f'--workdir={tmp_path}', '--config.pool.block_size=8', '--config.sampling.max_new_tokens=5']
-  run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  run = run_experiment('experiments.decode', '--config=configs/default.py:tiny',
+                       f'--workdir={tmp_path}', '--config.pool.block_size=8',
+                       '--config.sampling.max_new_tokens=5')
   assert run.returncode == 0, run.stderr[-3000:]
   summary = json.loads((tmp_path / 'summary.json').read_text())
   assert set(SUMMARY_KEYS) <= set(summary)
@@ -34,9 +31,8 @@ def test_decode_tiny_writes_summary(tmp_path):
 
 
 def test_bad_config_fails_before_loading(tmp_path):
-  cmd = [sys.executable, '-m', 'experiments.decode', '--config=configs/default.py:tiny',
-         f'--workdir={tmp_path}', '--config.pool.block_size=12']
-  run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  run = run_experiment('experiments.decode', '--config=configs/default.py:tiny',
+                       f'--workdir={tmp_path}', '--config.pool.block_size=12')
   assert run.returncode != 0
   assert 'config.pool.block_size=12 is not allowed: a power of two' in run.stderr
 

@@ -1,9 +1,6 @@
 """Block sharing: forks and copy-on-write (parallel sampling), and block bookkeeping under random
 workloads with prefix caching, forks, preemption and eviction (model-free fake step)."""
 import json
-import os
-import subprocess
-import sys
 
 import hypothesis
 import hypothesis.strategies as st
@@ -14,7 +11,7 @@ from pagedjax.engine import RequestError
 from pagedjax.sampling import SamplingParams
 
 from fakes import FakeClock, FakeStep, check_blocks, expected_outputs, fake_engine, written_blocks
-from tiny_models import make_engine, prompts
+from tiny_models import make_engine, prompts, run_experiment
 
 
 # ---- parallel sampling on a real (tiny) model ----------------------------------------------
@@ -123,10 +120,8 @@ def test_reproduce_sharing_tiny(tmp_path):
   """The experiment end to end on its :tiny config, in its own process (its absl flags would
   clash with other experiments' in this one). Figures are checked for sense, not for the goals,
   which need the full-size trace."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [sys.executable, '-m', 'experiments.reproduce_sharing',
-         '--config=configs/reproduce_sharing.py:tiny', f'--workdir={tmp_path}']
-  run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+  run = run_experiment('experiments.reproduce_sharing', '--config=configs/reproduce_sharing.py:tiny',
+                       f'--workdir={tmp_path}')
   assert run.returncode == 0, run.stderr[-3000:]
   with open(tmp_path / 'summary.json') as f:
     s = json.load(f)

@@ -3,6 +3,9 @@
 Each compile of a step costs ~1 s on a 2-core CPU, so engines of one model share a CompiledStep.
 """
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +52,13 @@ def dense_logits(kind, completion):
   logits = np.asarray(dense_fn(kind)(jnp.asarray([ids]))[0])
   start = len(completion.prompt_ids) - 1
   return logits[start:start + len(completion.output_ids)]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_experiment(module: str, *flags: str) -> subprocess.CompletedProcess:
+  """`python -m module flags...` from the repo root, in its own process (experiments' absl flags
+  would clash inside the test process)."""
+  return subprocess.run([sys.executable, '-m', module, *flags], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, check=False)
