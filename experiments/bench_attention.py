@@ -9,8 +9,8 @@ load from other processes hits every variant alike:
   contiguous_dense  einsum + masked softmax over [B, Hkv, S, D]
   contiguous_flash  the online-softmax loop over [B, S/bs, Hkv, bs, D] (no indirection)
   <impl>            every paged path that runs natively on this backend
-plus this machine's memory bandwidth (read-only sum, and an in-place donated copy). Figures are
-medians over rounds. `paged_over_contiguous` divides the best paged path by the best contiguous
+plus this machine's memory bandwidth (read-only sum, and an in-place donated copy), timed in the
+same rounds. Figures are medians over rounds. `paged_over_contiguous` divides the best paged path by the best contiguous
 variant; `bandwidth_fraction` is the K/V bytes the best paged path reads per second over the
 copy bandwidth (bytes read + written per second). Nothing here asserts a time.
 
@@ -26,7 +26,6 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,8 +89,8 @@ def _contiguous_flash(q, k, v, context_lens, first, last):
 
   def step(j, carry):
     m, l, acc = carry
-    kb = to_f32(k_bits, (slice(first, last), j), k.dtype)
-    vb = to_f32(v_bits, (slice(first, last), j), v.dtype)
+    kb = to_f32(k_bits, slice(first, last), j, k.dtype)
+    vb = to_f32(v_bits, slice(first, last), j, v.dtype)
     inb = (j * block_size + jnp.arange(block_size))[None, :] < context_lens[:, None]
     s = jnp.sum(qg[:, :, :, None, :] * kb[:, :, None], axis=-1)
     s = jnp.where(inb[:, None, None, :], s, -jnp.inf)
@@ -132,22 +131,28 @@ def make_inputs(batch, num_kv_heads, num_heads, head_dim, block_size, context, d
       k4=as_dtype(k4), v4=as_dtype(v4), k5=as_dtype(k5), v5=as_dtype(v5))
 
 
-def bandwidth(nbytes, rounds):
-  """(read GB/s of a sum, copy GB/s (read + write) of an in-place donated add) over nbytes."""
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  read = jax.jit(jnp.sum)
-  copy = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  jax.block_until_ready(read(x))
-  x = jax.block_until_ready(copy(x))
-  t_read, t_copy = [], []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    jax.block_until_ready(read(x))
-    t_read.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    x = jax.block_until_ready(copy(x))
-    t_copy.append(time.perf_counter() - t0)
-  return nbytes / np.median(t_read) / 1e9, 2 * nbytes / np.median(t_copy) / 1e9
+class MemoryTraffic:
+  """This machine's memory bandwidth over a buffer of `nbytes`, as two timed variants that run
+  interleaved with the kernels (the same load hits both; a figure taken once at start-up swung
+  from 59 to 112 GB/s between runs here): `read` sums the buffer, `copy` adds one to it in
+  place (donated), reading and writing every byte."""
+
+  def __init__(self, nbytes):
+    self.nbytes = nbytes
+    self.x = jnp.ones((nbytes // 4,), jnp.float32)
+    self._sum = jax.jit(jnp.sum)
+    self._add = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+  def read(self):
+    return self._sum(self.x)
+
+  def copy(self):
+    self.x = self._add(self.x)
+    return self.x
+
+  def gbs(self, times):
+    """(read GB/s, copy GB/s counting bytes read + written) from time_interleaved's medians."""
+    return self.nbytes / times['mem_read'] / 1e9, 2 * self.nbytes / times['mem_copy'] / 1e9
 
 
 def time_interleaved(fns, rounds):
@@ -187,11 +192,9 @@ def main(argv):
   dims = (batch, FLAGS.num_kv_heads, FLAGS.num_heads, FLAGS.head_dim, FLAGS.block_size)
 
   figures, rows = {}, []
-  # At least 512 MiB, far past the 32 MiB L3, so this is DRAM and not cache bandwidth.
-  largest = max(2**29, 2 * batch * max(contexts) * FLAGS.num_kv_heads * FLAGS.head_dim * 4)
-  read_gbs, copy_gbs = bandwidth(largest, rounds)
-  logging.info('bandwidth over %.0f MiB: read %.1f GB/s, copy %.1f GB/s', largest / 2**20,
-               read_gbs, copy_gbs)
+  # At least 256 MiB, far past the 32 MiB L3, so this is DRAM and not cache bandwidth.
+  memory = MemoryTraffic(max(2**28, 2 * batch * max(contexts) * FLAGS.num_kv_heads *
+                             FLAGS.head_dim * 4))
   for context in contexts:
     for dtype_name in FLAGS.dtypes:
       dtype = jnp.dtype(dtype_name)
@@ -203,6 +206,8 @@ def main(argv):
                                                 x['v4'], x['context_lens']),
           'contiguous_flash': functools.partial(jax.jit(contiguous_flash), x['q'], x['k5'],
                                                 x['v5'], x['context_lens']),
+          'mem_read': memory.read,
+          'mem_copy': memory.copy,
       }
       for impl in impls:
         fns[impl] = functools.partial(
@@ -218,7 +223,10 @@ def main(argv):
       # allocations and frees do not land on the others.
       slow = {name: fns.pop(name) for name in ('reference',) if name in fns}
       times = time_interleaved(fns, rounds)
-      times.update(time_interleaved(slow, max(3, rounds // 3)))
+      if slow:
+        times.update(time_interleaved(slow, max(3, rounds // 3)))
+      read_gbs, copy_gbs = memory.gbs(times)
+      times = {name: t for name, t in times.items() if not name.startswith('mem_')}
       kv_bytes = x['k4'].nbytes + x['v4'].nbytes
       best_contig = min(('contiguous_dense', 'contiguous_flash'), key=times.get)
       paged_impls = [i for i in impls if i != 'reference'] or impls
@@ -227,6 +235,7 @@ def main(argv):
       figures[key] = dict(
           context=context, dtype=dtype_name, best_paged=best, best_contiguous=best_contig,
           paged_over_contiguous=times[best] / times[best_contig],
+          copy_gbs=copy_gbs, read_gbs=read_gbs,
           achieved_read_gbs=kv_bytes / times[best] / 1e9,
           bandwidth_fraction=kv_bytes / times[best] / 1e9 / copy_gbs,
           read_bandwidth_fraction=kv_bytes / times[best] / 1e9 / read_gbs,
@@ -237,11 +246,12 @@ def main(argv):
                          kv_gbs=kv_bytes / t / 1e9, over_best_contiguous=t / times[best_contig]))
       print(f'{key}: ' + '  '.join(f'{n} {t * 1e3:.2f}ms' for n, t in times.items()) +
             f'  | best {best} {figures[key]["paged_over_contiguous"]:.2f}x {best_contig}, '
-            f'{figures[key]["bandwidth_fraction"]:.0%} of copy bandwidth', flush=True)
+            f'{figures[key]["bandwidth_fraction"]:.0%} of copy bandwidth ({copy_gbs:.1f} GB/s; '
+            f'read {read_gbs:.1f} GB/s)', flush=True)
       del x, fns
 
   summary = dict(
-      figures=figures, copy_gbs=copy_gbs, read_gbs=read_gbs,
+      figures=figures, memory_traffic_bytes=memory.nbytes,
       flags=dict(batch=batch, num_kv_heads=FLAGS.num_kv_heads, num_heads=FLAGS.num_heads,
                  head_dim=FLAGS.head_dim, block_size=FLAGS.block_size, contexts=contexts,
                  dtypes=FLAGS.dtypes, impls=impls, rounds=rounds, quick=FLAGS.quick),
@@ -254,8 +264,7 @@ def main(argv):
   with open(os.path.join(FLAGS.workdir, 'results.jsonl'), 'w') as f:
     for row in rows:
       f.write(json.dumps(row) + '\n')
-  print(f'copy bandwidth {copy_gbs:.1f} GB/s, read {read_gbs:.1f} GB/s; wrote '
-        f'{FLAGS.workdir}/summary.json')
+  print(f'wrote {FLAGS.workdir}/summary.json')
 
 
 def _has_jax_triton():

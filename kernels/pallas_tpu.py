@@ -1,6 +1,6 @@
 """Paged attention as a Pallas/Mosaic TPU kernel (decode and chunked prefill).
 
-Grid (B, Hkv, MB): one program per (sequence, KV head, logical block). The block table and the
+Grid (B, Hkv, S, MB/S): one program per (sequence, KV head, context split, logical block). The block table and the
 per-sequence block counts are scalar-prefetched into SMEM, so the K/V BlockSpecs' index maps can
 name the *physical* block: Pallas' pipeline then DMAs exactly that [bs, D] block from HBM into
 VMEM, double-buffered, while the previous one is being used. Logical blocks past a sequence's
@@ -9,8 +9,10 @@ skip the copy, and `pl.when` skips the compute, so the null block and unowned bl
 read for a real token.
 
 All T*G query rows of a KV group form one [R, D] tile (the group shares each K/V block); the
-running max, sum and accumulator live in VMEM scratch across the MB axis ("arbitrary"), and the
-output tile is written once, at the last block. Masking uses `where` so NaN/inf in slots past
+running max, sum and accumulator live in VMEM scratch across the block axis ("arbitrary"), and
+the output tile is written once, at the split's last block. With S > 1 (flash-decoding: long
+contexts of too few sequences to occupy both TensorCores of a megacore chip) each split writes
+its unnormalised state and a small XLA merge combines them. Masking uses `where` so NaN/inf in slots past
 the length cannot reach the output.
 
 Quantized pages (int8 / float8_e4m3fn) come with per-(token, KV head) scales; each block's
@@ -35,12 +37,15 @@ from kernels import check_inputs, stack_one_layer
 # ------------------------------------------------------------------------------------------------
 def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
                                scale=None, k_scales=None, v_scales=None, interpret=None,
-                               layer=None):
+                               layer=None, context_splits=None):
   """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
 
   interpret: None runs TPU interpret mode whenever the default backend is not a TPU.
   layer: index into layer-stacked pages [L, N, ...] (and scales); the K/V index maps DMA that
   layer's blocks straight from the stacked pool, so no layer is sliced out.
+  context_splits: split each sequence's blocks over that many parallel programs
+  (flash-decoding); default: 2 when there are fewer (sequence, KV head) programs than the two
+  TensorCores of a megacore chip, else 1.
   """
   if layer is None:  # one layer's pages: check them, then view them as a stack of one
     check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
@@ -50,17 +55,27 @@ def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, 
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if interpret is None:
     interpret = jax.default_backend() != 'tpu'
+  if context_splits is None:
+    context_splits = 2 if q.shape[0] * k_pages.shape[2] < _CORES else 1
+  if context_splits < 1:
+    raise ValueError(f'context_splits must be >= 1, got {context_splits}')
+  context_splits = min(context_splits, block_tables.shape[1])  # at least one block per split
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
                           k_scales, v_scales, jnp.asarray(layer, jnp.int32).reshape(1),
-                          scale=scale, interpret=bool(interpret))
+                          scale=scale, interpret=bool(interpret), splits=context_splits)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'interpret'))
+# TensorCores sharing a "parallel" grid axis on one chip (megacore: v4, v5p).
+_CORES = 2
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                     v_scales, layer, *, scale, interpret):
+                     v_scales, layer, *, scale, interpret, splits):
   batch, num_q, num_heads, head_dim = q.shape
   _, _, num_kv_heads, block_size, _ = k_pages.shape
   max_blocks = block_tables.shape[1]
+  per_split = -(-max_blocks // splits)  # logical blocks per split; the last may run short
   group = num_heads // num_kv_heads
   rows = num_q * group
   quantized = k_scales is not None
@@ -73,18 +88,18 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   row_seen = jnp.repeat(seen, group, axis=1)[:, :, None]  # [B, R, 1]
   num_blocks = jnp.minimum(max_blocks, (jnp.max(seen, axis=1) + block_size - 1) // block_size)
 
-  def block_index(b, j, tables, counts):
+  def block_index(b, c, j, tables, counts):
     # Past the visible blocks, repeat the last one: same index, so no new DMA.
-    return tables[b, jnp.minimum(j, jnp.maximum(counts[b] - 1, 0))]
+    return tables[b, jnp.minimum(c * per_split + j, jnp.maximum(counts[b] - 1, 0))]
 
-  def kv_index(b, h, j, tables, counts, lens, layer):
+  def kv_index(b, h, c, j, tables, counts, lens, layer):
     del lens
-    return layer[0], block_index(b, j, tables, counts), h, 0, 0
+    return layer[0], block_index(b, c, j, tables, counts), h, 0, 0
 
   kv_spec = pl.BlockSpec((None, None, None, block_size, head_dim), kv_index)
   in_specs = [
-      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j, *_: (b, h, 0, 0)),
-      pl.BlockSpec((None, rows, 1), lambda b, h, j, *_: (b, 0, 0)),
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, c, j, *_: (b, h, 0, 0)),
+      pl.BlockSpec((None, rows, 1), lambda b, h, c, j, *_: (b, 0, 0)),
       kv_spec, kv_spec,
   ]
   operands = [qg, row_seen, k_pages, v_pages]
@@ -95,42 +110,68 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
     in_specs += [scale_spec, scale_spec]
     operands += [k_scales[:, :, :, None, :], v_scales[:, :, :, None, :]]
 
-  kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized)
+  # One split writes the normalised output; several write their unnormalised (acc, m, l) for
+  # the merge below (float32, so the merge loses nothing).
+  part = lambda shape: pl.BlockSpec((None, None, None) + shape,
+                                    lambda b, h, c, j, *_: (b, h, c, 0, 0))
+  part_shape = lambda shape, dtype: jax.ShapeDtypeStruct(
+      (batch, num_kv_heads, splits) + shape, dtype)
+  if splits == 1:
+    out_specs = part((rows, head_dim))
+    out_shape = part_shape((rows, head_dim), q.dtype)
+  else:
+    out_specs = [part((rows, head_dim)), part((rows, 1)), part((rows, 1))]
+    out_shape = [part_shape((rows, head_dim), jnp.float32),
+                 part_shape((rows, 1), jnp.float32), part_shape((rows, 1), jnp.float32)]
+
+  kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized,
+                             per_split=per_split, partial_out=splits > 1)
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,
-          grid=(batch, num_kv_heads, max_blocks),
+          grid=(batch, num_kv_heads, splits, per_split),
           in_specs=in_specs,
-          out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda b, h, j, *_: (b, h, 0, 0)),
+          out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32),
                           pltpu.VMEM((rows, 1), jnp.float32),
                           pltpu.VMEM((rows, head_dim), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype),
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=('parallel', 'parallel', 'arbitrary')),
+          dimension_semantics=('parallel', 'parallel', 'parallel', 'arbitrary')),
       interpret=pltpu.InterpretParams() if interpret else False,
   )(block_tables, num_blocks.astype(jnp.int32), context_lens, layer, *operands)
+  out = out[:, :, 0] if splits == 1 else _merge_splits(*out).astype(q.dtype)
   out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, num_q, num_heads, head_dim)
+
+
+def _merge_splits(acc, m, l):
+  """Softmax states of disjoint key ranges [B, Hkv, S, R, *] -> normalised [B, Hkv, R, D]."""
+  m_max = jnp.max(m, axis=2, keepdims=True)
+  weight = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # 0 for a split that saw nothing
+  total = jnp.sum(weight * l, axis=2)
+  return jnp.sum(weight * acc, axis=2) / jnp.where(total > 0, total, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------
 # Kernel body
 # ------------------------------------------------------------------------------------------------
 def _kernel(tables_ref, counts_ref, lens_ref, layer_ref,  # scalar prefetch (SMEM)
-            q_ref, seen_ref, k_ref, v_ref, *rest, scale, block_size, quantized):
+            q_ref, seen_ref, k_ref, v_ref, *rest, scale, block_size, quantized, per_split,
+            partial_out):
   """q_ref [R, D]; seen_ref [R, 1]; k_ref, v_ref [bs, D]; (ks_ref, vs_ref [1, bs]);
-  o_ref [R, D]; scratch m_ref, l_ref [R, 1], acc_ref [R, D]."""
+  outputs o_ref [R, D] (partial_out: and om_ref, ol_ref [R, 1]); scratch m_ref, l_ref [R, 1],
+  acc_ref [R, D]. Grid (b, h, split c, block j of the split)."""
   del tables_ref, layer_ref  # used by the index maps only
-  if quantized:
-    ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
-  else:
-    o_ref, m_ref, l_ref, acc_ref = rest
-  b, j = pl.program_id(0), pl.program_id(2)
+  rest = list(rest)
+  ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+  outs, (m_ref, l_ref, acc_ref) = rest[:-3], rest[-3:]
+  b, local_j = pl.program_id(0), pl.program_id(3)
+  j = pl.program_id(2) * per_split + local_j  # logical block in the sequence
   f32 = jnp.float32
 
-  @pl.when(j == 0)
+  @pl.when(local_j == 0)
   def _init():
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, f32)
     l_ref[...] = jnp.zeros(l_ref.shape, f32)
@@ -161,7 +202,11 @@ def _kernel(tables_ref, counts_ref, lens_ref, layer_ref,  # scalar prefetch (SME
     acc_ref[...] = acc_ref[...] * alpha + pv
     m_ref[...] = m_new
 
-  @pl.when(j == pl.num_programs(2) - 1)
+  @pl.when(local_j == pl.num_programs(3) - 1)
   def _finish():
-    l = l_ref[...]
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    if partial_out:
+      o_ref, om_ref, ol_ref = outs
+      o_ref[...], om_ref[...], ol_ref[...] = acc_ref[...], m_ref[...], l_ref[...]
+    else:
+      l = l_ref[...]
+      outs[0][...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(outs[0].dtype)
