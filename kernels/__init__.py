@@ -10,7 +10,8 @@ shape contract. `impl` names:
   auto        the best of the above for jax.default_backend()
 
 Quantized pools pass int8 or float8_e4m3fn pages with `k_scales`/`v_scales` [N, Hkv, bs]
-float32 (one scale per token and KV head); every path dequantizes as value * scale.
+float32 (one scale per token and KV head); every path dequantizes as value * scale, inside its
+kernel. Every path also reads a layer-stacked pool ([L, N, ...] with `layer=`) in place.
 
 Implementation modules are imported on first use, so importing `kernels` (the model does) does
 not pay for importing Pallas or Triton.
@@ -45,6 +46,14 @@ def best_impl(backend=None):
     # The Pallas kernel needs no extra package; `triton` needs jax_triton installed.
     return 'pallas_gpu'
   return 'xla'
+
+
+def gpu_converts_fp8():
+  """Whether the default GPU's Triton can convert float8_e4m3fn (compute capability >= 8.9)."""
+  capability = getattr(jax.devices()[0], 'compute_capability', None)  # e.g. '9.0'; GPUs only
+  if capability is None:
+    return False
+  return tuple(int(x) for x in str(capability).split('.')[:2]) >= (8, 9)
 
 
 def check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions,
@@ -104,12 +113,6 @@ def _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_s
                              scale=scale, k_scales=k_scales, v_scales=v_scales, layer=layer)
 
 
-# Paths that index a layer-stacked pool themselves. The others get one layer sliced out, which
-# on XLA materialises a copy of that layer's pages: fine for a kernel test, a pool-sized cost
-# per step inside the model (see pagedjax/pool.py).
-LAYERED_IMPLS = ('reference', 'xla', 'pallas_tpu')
-
-
 def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
                     impl='reference', scale=None, k_scales=None, v_scales=None, layer=None):
   """Attention of queries over a paged KV cache; see kernels/reference.py for shapes.
@@ -123,9 +126,11 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions
     impl = best_impl()
     _, _, block_size, head_dim = per_layer(k_pages).shape
     pow2 = lambda n: n & (n - 1) == 0
-    if impl == 'pallas_gpu' and (k_scales is not None or not pow2(block_size) or
-                                 not pow2(head_dim)):
-      impl = 'xla'  # what the GPU kernel does not cover (quantized pages, odd shapes)
+    if impl == 'pallas_gpu' and not (pow2(block_size) and pow2(head_dim)):
+      impl = 'xla'  # Triton block shapes are powers of two (the tiny test models' are not)
+    if (impl == 'pallas_gpu' and jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
+        and not gpu_converts_fp8()):
+      impl = 'xla'  # Triton converts float8_e4m3fn only from sm_89 (Ada, Hopper) on
   check_inputs(q, per_layer(k_pages), per_layer(v_pages), block_tables, context_lens,
                q_positions, per_layer(k_scales), per_layer(v_scales))
   if impl == 'reference':
@@ -135,11 +140,5 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLS + ("auto",)}')
   module, name = _MODULES[impl]
   fn = getattr(importlib.import_module(module), name)
-  if layer is not None and impl not in LAYERED_IMPLS:
-    pick = lambda x: None if x is None else x[layer]
-    k_pages, v_pages, k_scales, v_scales = map(pick, (k_pages, v_pages, k_scales, v_scales))
-  elif layer is not None:
-    return fn(q, k_pages, v_pages, block_tables, context_lens, q_positions, scale=scale,
-              k_scales=k_scales, v_scales=v_scales, layer=layer)
   return fn(q, k_pages, v_pages, block_tables, context_lens, q_positions, scale=scale,
-            k_scales=k_scales, v_scales=v_scales)
+            k_scales=k_scales, v_scales=v_scales, layer=layer)

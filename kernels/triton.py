@@ -11,9 +11,23 @@ block-table entry by pointer offset, and folds it into a running softmax over th
 rows (T*G rows, zero-padded to a power of two >= 16 so both products are `tl.dot`s; float32 dots
 use IEEE precision, not TF32). Masking uses `tl.where`: past-length slots may hold NaN or inf.
 
+The pool is read layer-stacked, [L, N, Hkv, bs, D]: the model's `layer` (a traced int) arrives
+as a 1-element int32 array that the kernel loads and turns into a pointer offset,
+layer * layer_stride, so no layer is ever sliced out (that would copy it, every layer, every
+step). Single-layer pages are viewed as a stack of one.
+
+Quantized pages (int8 / float8_e4m3fn) come with per-(token, KV head) float32 scales
+[L, N, Hkv, bs]. Each step loads the block's [bs] scale rows next to it and converts the block to
+float32 in registers; the K scale multiplies the [Rp, bs] scores and the V scale the
+probabilities (as kernels/xla.py does): the block is only converted, and no dequantized copy of
+the pool is ever written. Both run under Triton's interpreter on torch CPU tensors (torch has
+both dtypes on CPU); on GPU, float8_e4m3fn (Triton's fp8e4nv) needs sm_89 or newer.
+
 Layouts the kernel reads (all contiguous): q [B, Hkv, Rp, D]; row_seen [B, Rp] (tokens each
-row sees); pages [N, Hkv, bs, D]; block_tables [B, MB]; context_lens, num_blocks [B];
-out [B, Hkv, Rp, D]. Float pages only (quantized pools: `xla`, `pallas_tpu`).
+row sees); pages [L, N, Hkv, bs, D]; scales [L, N, Hkv, bs] (a 1-element placeholder when the
+pages are float); layer [1]; block_tables [B, MB]; context_lens, num_blocks [B];
+out [B, Hkv, Rp, D]; layer_stride = N * Hkv * bs (token rows per layer, a runtime integer: the
+scales' layer stride, the pages' is D times that).
 """
 # Annotations stay strings ('tl.constexpr'): this module imports without triton, and Triton's
 # interpreter re-compiles the kernel source with postponed annotations anyway.
@@ -24,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import check_inputs
+from kernels import check_inputs, stack_one_layer
 
 try:
   import triton
@@ -47,10 +61,17 @@ def padded_rows(rows):
 # Wrapper (JAX on GPU)
 # ------------------------------------------------------------------------------------------------
 def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                           scale=None, k_scales=None, v_scales=None, num_warps=4, num_stages=2):
-  """Same contract as kernels/reference.py; needs a GPU, triton and jax_triton."""
-  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales)
-  _check_supported(k_pages, k_scales)
+                           scale=None, k_scales=None, v_scales=None, layer=None, num_warps=4,
+                           num_stages=2):
+  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]; needs a GPU,
+  triton and jax_triton. layer: index into layer-stacked pages [L, N, ...] (and scales),
+  read in place."""
+  if layer is None:  # one layer's pages: check them, then view them as a stack of one
+    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                 v_scales)
+    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
+        k_pages, v_pages, k_scales, v_scales)
+  _check_supported(k_pages)
   try:
     import jax_triton  # pylint: disable=import-outside-toplevel
   except ImportError as e:  # on CPU jaxlib jax_triton refuses to import
@@ -58,16 +79,16 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_po
                        'impl="xla"') from e
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   return _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens,
-                          q_positions, float(scale), num_warps, num_stages)
+                          q_positions, k_scales, v_scales,
+                          jnp.asarray(layer, jnp.int32).reshape(1), float(scale), num_warps,
+                          num_stages)
 
 
-def _check_supported(k_pages, k_scales):
+def _check_supported(k_pages):
+  """k_pages layer-stacked [L, N, Hkv, bs, D]."""
   if triton is None:
     raise RuntimeError('impl="triton" needs the triton package (requirements-kernels.txt)')
-  if k_scales is not None:
-    raise ValueError(f'the triton path reads float pages only, got {k_pages.dtype} with scales; '
-                     'use impl="xla" or "pallas_tpu"')
-  block_size, head_dim = k_pages.shape[2], k_pages.shape[3]
+  block_size, head_dim = k_pages.shape[-2], k_pages.shape[-1]
   if not (_pow2(block_size) and _pow2(head_dim)):
     raise ValueError(f'triton needs power-of-two block_size and head_dim, got '
                      f'block_size={block_size}, head_dim={head_dim}')
@@ -98,72 +119,98 @@ def unprepare(out, num_q, num_heads):
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(0, 10, 11, 12))
 def _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                     scale, num_warps, num_stages):
-  batch, num_q, num_heads, head_dim = q.shape
-  _, num_kv_heads, block_size, _ = k_pages.shape
+                     k_scales, v_scales, layer, scale, num_warps, num_stages):
+  batch, num_q, num_heads, _ = q.shape
+  _, num_pages, num_kv_heads, block_size, head_dim = k_pages.shape
   qg, row_seen, num_blocks = prepare(q, block_tables, context_lens, q_positions, num_kv_heads,
                                      block_size)
+  quantized = k_scales is not None
+  if not quantized:  # the kernel takes scale pointers either way; QUANTIZED=False never reads them
+    k_scales = v_scales = jnp.zeros((1,), jnp.float32)
   out = jax_triton.triton_call(
-      qg, k_pages, v_pages, block_tables, context_lens, row_seen, num_blocks,
+      qg, k_pages, v_pages, k_scales, v_scales, layer, block_tables, context_lens, row_seen,
+      num_blocks, num_pages * num_kv_heads * block_size,
       kernel=_kernel,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       grid=(batch, num_kv_heads),
       num_warps=num_warps, num_stages=num_stages,
-      **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim, scale))
+      **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim, scale,
+              quantized))
   return unprepare(out, num_q, num_heads)
 
 
-def _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, scale):
+def _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, scale, quantized):
   return dict(SCALE=scale, NUM_KV_HEADS=num_kv_heads, MAX_BLOCKS=max_blocks, ROWS=rows,
-              BLOCK_SIZE=block_size, HEAD_DIM=head_dim, USE_DOT=block_size >= _MIN_DOT)
+              BLOCK_SIZE=block_size, HEAD_DIM=head_dim, USE_DOT=block_size >= _MIN_DOT,
+              QUANTIZED=quantized)
 
 
 # ------------------------------------------------------------------------------------------------
 # Wrapper (torch: Triton's CPU interpreter in tests, or a torch caller on GPU)
 # ------------------------------------------------------------------------------------------------
-def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *, scale=None):
+def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *, scale=None,
+                 k_scales=None, v_scales=None, layer=None):
   """Runs the kernel on torch tensors on the inputs' device: JAX/numpy inputs are converted.
+  Optional int8/fp8 scales [N, Hkv, bs]; with `layer`, pages [L, N, ...] and scales
+  [L, N, Hkv, bs] are layer-stacked and that layer is read in place, as on GPU.
 
   Returns a numpy array [B, T, Hq, D] (float32 for float32 pages, else q's dtype as float32).
   """
   import torch  # pylint: disable=import-outside-toplevel
-  check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions)
-  _check_supported(k_pages, None)
+  stacked = (lambda x: x) if layer is not None else (lambda x: None if x is None else x[None])
+  k_pages, v_pages, k_scales, v_scales = map(stacked, (k_pages, v_pages, k_scales, v_scales))
+  one_layer = lambda x: None if x is None else x[0]  # for validation: shapes only matter
+  check_inputs(q, one_layer(k_pages), one_layer(v_pages), block_tables, context_lens,
+               q_positions, one_layer(k_scales), one_layer(v_scales))
+  _check_supported(k_pages)
   batch, num_q, num_heads, head_dim = q.shape
-  _, num_kv_heads, block_size, _ = k_pages.shape
+  _, num_pages, num_kv_heads, block_size, _ = k_pages.shape
   scale = head_dim ** -0.5 if scale is None else scale
   qg, row_seen, num_blocks = prepare(jnp.asarray(q), jnp.asarray(block_tables),
                                      jnp.asarray(context_lens), jnp.asarray(q_positions),
                                      num_kv_heads, block_size)
+  quantized = k_scales is not None
+  if not quantized:
+    k_scales = v_scales = np.zeros((1,), np.float32)
+  layer = np.full((1,), 0 if layer is None else int(layer), np.int32)
 
-  def to_torch(x):  # bf16 has no numpy dtype: cross through dlpack
+  def to_torch(x):
     x = jnp.asarray(x)
-    if x.dtype == jnp.bfloat16:
+    if x.dtype == jnp.bfloat16:  # no numpy bfloat16 in torch: cross through dlpack
       return torch.from_dlpack(x).clone()
+    if x.dtype == jnp.float8_e4m3fn:  # nor float8: cross as bytes, reinterpret in torch
+      return torch.from_numpy(np.array(x).view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(np.array(x))
 
-  args = [to_torch(x) for x in (qg, k_pages, v_pages, block_tables, context_lens, row_seen,
-                                num_blocks)]
+  args = [to_torch(x) for x in (qg, k_pages, v_pages, k_scales, v_scales, layer, block_tables,
+                                context_lens, row_seen, num_blocks)]
   out = torch.empty(tuple(qg.shape), dtype=args[0].dtype)
   _kernel[(batch, num_kv_heads)](
-      *args, out, **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size,
-                          head_dim, float(scale)))
+      *args, num_pages * num_kv_heads * block_size, out,
+      **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim,
+              float(scale), quantized))
   return np.asarray(unprepare(jnp.asarray(out.float().numpy()), num_q, num_heads))
 
 
 def compile_ahead(capability=90, *, rows=16, num_kv_heads=8, max_blocks=16, block_size=64,
-                  head_dim=64, dtype='fp32', num_warps=4, num_stages=2):
+                  head_dim=64, dtype='fp32', page_dtype=None, num_warps=4, num_stages=2):
   """Compiles the kernel for a CUDA compute capability without a GPU (Triton ships ptxas);
-  returns Triton's compiled kernel, whose .asm holds ttir/ttgir/llir/ptx/cubin. Needs a
-  process in which TRITON_INTERPRET was not set when triton was imported."""
+  returns Triton's compiled kernel, whose .asm holds ttir/ttgir/llir/ptx/cubin. dtype: q and
+  output ('fp32', 'bf16'); page_dtype: the pages' (default dtype; 'i8' or 'fp8e4nv' compile the
+  quantized kernel). Needs a process in which TRITON_INTERPRET was not set when triton was
+  imported."""
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   from triton.runtime.jit import JITFunction  # pylint: disable=import-outside-toplevel
   fn = JITFunction(_paged_attention_kernel)
-  meta = _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, 0.125)
-  signature = {name: f'*{dtype}' if name in ('q_ptr', 'k_ptr', 'v_ptr', 'o_ptr') else '*i32'
-               for name in fn.arg_names[:8]}
+  page_dtype = dtype if page_dtype is None else page_dtype
+  quantized = page_dtype in ('i8', 'fp8e4nv')
+  meta = _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, 0.125, quantized)
+  types = dict(q_ptr=f'*{dtype}', o_ptr=f'*{dtype}', k_ptr=f'*{page_dtype}',
+               v_ptr=f'*{page_dtype}', ks_ptr='*fp32', vs_ptr='*fp32',
+               layer_stride='i32')  # what jax_triton passes for a Python int below 2**31
+  signature = {name: types.get(name, '*i32') for name in fn.arg_names if name not in meta}
   signature.update({name: 'constexpr' for name in meta})
   source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=meta)
   return triton.compile(source, target=GPUTarget('cuda', capability, 32),
@@ -173,11 +220,12 @@ def compile_ahead(capability=90, *, rows=16, num_kv_heads=8, max_blocks=16, bloc
 # ------------------------------------------------------------------------------------------------
 # Kernel body
 # ------------------------------------------------------------------------------------------------
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, seen_ptr, counts_ptr,
-                            o_ptr, SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                            MAX_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            USE_DOT: tl.constexpr):
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, layer_ptr, tables_ptr, lens_ptr,
+                            seen_ptr, counts_ptr, layer_stride, o_ptr, SCALE: tl.constexpr,
+                            NUM_KV_HEADS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                            ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, USE_DOT: tl.constexpr,
+                            QUANTIZED: tl.constexpr):
   b = tl.program_id(0)
   h = tl.program_id(1)
   r = tl.arange(0, ROWS)
@@ -188,6 +236,9 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, seen_ptr,
   row_seen = tl.load(seen_ptr + b * ROWS + r)
   length = tl.load(lens_ptr + b)
   num_blocks = tl.load(counts_ptr + b)
+  # Index of the layer's first token row (one token of one KV head, D elements); int64: a whole
+  # stacked pool can exceed 2**31 elements.
+  layer_base = tl.load(layer_ptr).to(tl.int64) * layer_stride
 
   m = tl.full((ROWS,), float('-inf'), tl.float32)
   l = tl.zeros((ROWS,), tl.float32)
@@ -197,13 +248,16 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, seen_ptr,
   for j in range(0, MAX_BLOCKS):
     if j < num_blocks:
       block = tl.load(tables_ptr + b * MAX_BLOCKS + j).to(tl.int64)
-      base = (block * NUM_KV_HEADS + h) * BLOCK_SIZE * HEAD_DIM
-      offsets = base + t[:, None] * HEAD_DIM + d[None, :]
-      k = tl.load(k_ptr + offsets).to(tl.float32)  # [bs, D]
+      # The block's first token row: scales [L, N, Hkv, bs] are indexed by row, pages by row * D.
+      row = layer_base + (block * NUM_KV_HEADS + h) * BLOCK_SIZE
+      offsets = row * HEAD_DIM + t[:, None] * HEAD_DIM + d[None, :]
+      k = tl.load(k_ptr + offsets).to(tl.float32)  # [bs, D]; int8/fp8 converted in registers
       if USE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision='ieee')
       else:
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+      if QUANTIZED:  # k = stored * scale per token: scale the score columns, not the block
+        s = s * tl.load(ks_ptr + row + t)[None, :]
       pos = j * BLOCK_SIZE + t
       visible = pos[None, :] < row_seen[:, None]
       s = tl.where(visible, s, float('-inf'))
@@ -211,7 +265,9 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, seen_ptr,
       m_shift = tl.where(m_new == float('-inf'), 0.0, m_new)  # row has seen no token yet
       p = tl.where(visible, tl.exp(s - m_shift[:, None]), 0.0)
       alpha = tl.exp(m - m_shift)
-      l = l * alpha + tl.sum(p, axis=1)
+      l = l * alpha + tl.sum(p, axis=1)  # the softmax denominator takes unscaled probabilities
+      if QUANTIZED:  # v = stored * scale: fold it into p; `where` again, a scale may be NaN
+        p = tl.where(visible, p * tl.load(vs_ptr + row + t)[None, :], 0.0)
       v = tl.load(v_ptr + offsets).to(tl.float32)
       v = tl.where((pos < length)[:, None], v, 0.0)  # past-length slots hold garbage
       if USE_DOT:

@@ -314,6 +314,24 @@ def test_pallas_tpu_quantized_matches_reference():
   assert_close(run_quant(case, 'pallas_tpu'), run_quant(case, 'reference'), jnp.float32)
 
 
+@pytest.mark.parametrize('splits,num_q,quantized', [(3, 1, False), (2, 3, True)])
+def test_pallas_tpu_context_split_matches_reference(splits, num_q, quantized):
+  """Flash-decoding split (7 blocks over 2 or 3 programs, so one split runs short and the split
+  of a short sequence sees nothing); lengths include 0; prefill chunks too."""
+  from kernels.pallas_tpu import paged_attention_pallas_tpu  # pylint: disable=import-outside-toplevel
+  case = make_case(14, num_kv_heads=1, group=4, head_dim=64, block_size=16, max_blocks=7,
+                   num_q=num_q)
+  extra, want = {}, None
+  if quantized:
+    case = quantize(case, jnp.int8)
+    extra = dict(k_scales=case['k_scales'], v_scales=case['v_scales'])
+    want = run_quant(case, 'reference')
+  got = paged_attention_pallas_tpu(case['q'], case['k_pages'], case['v_pages'],
+                                   case['block_tables'], case['context_lens'],
+                                   case['q_positions'], context_splits=splits, **extra)
+  assert_close(got, run(case, 'reference') if want is None else want, jnp.float32)
+
+
 @pytest.mark.slow
 def test_pallas_tpu_matches_jax_tpu_paged_attention_op():
   """Cross-check with JAX's own TPU kernel ([kv_heads, pages, page_size, head_dim] layout; it
@@ -350,6 +368,40 @@ def test_pallas_gpu_isolation():
                              np.asarray(run(case, 'reference')), atol=2e-5, rtol=0)
 
 
+def poison_quantized(case, value):
+  """`poison` for a quantized case: `value` in the scales of the null block, unowned blocks and
+  past-length slots, and the pages there as bad as their dtype allows (int8 holds no NaN/inf:
+  its extreme -128; float8_e4m3fn has no inf: NaN)."""
+  out = dict(case)
+  for pages, scales in (('k_pages', 'k_scales'), ('v_pages', 'v_scales')):
+    # Scales are pages without the trailing D: give them a D of 1 to reuse `poison`.
+    as_pages = dict(case, k_pages=case[scales][..., None], v_pages=case[scales][..., None])
+    out[scales] = poison(as_pages, value)['k_pages'][..., 0]
+    dtype = case[pages].dtype
+    bad = -128.0 if dtype == jnp.int8 else np.nan
+    wide = dict(case, k_pages=case[pages].astype(jnp.float32),
+                v_pages=case[pages].astype(jnp.float32))
+    out[pages] = poison(wide, bad)['k_pages'].astype(dtype)
+  return out
+
+
+@pytest.mark.parametrize('qdtype', [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize('block_size,group,num_q', [(16, 4, 1), (8, 3, 3)])
+def test_pallas_gpu_quantized_matches_reference(qdtype, block_size, group, num_q):
+  """The dot branch (bs 16) and the multiply-reduce branch (bs 8), decode and a prefill chunk."""
+  case = quantize(small_case(23, block_size, group, 64, num_q, jnp.float32), qdtype)
+  assert_close(run_quant(case, 'pallas_gpu'), run_quant(case, 'reference'), jnp.float32)
+
+
+@pytest.mark.parametrize('qdtype,value', [(jnp.int8, np.nan), (jnp.float8_e4m3fn, np.inf)])
+def test_pallas_gpu_quantized_isolation(qdtype, value):
+  case = quantize(small_case(24, 16, 4, 64, 2, jnp.float32), qdtype)
+  poisoned = poison_quantized(case, value)
+  assert not np.all(np.isfinite(np.asarray(poisoned['k_scales'])))  # the poison took
+  np.testing.assert_allclose(np.asarray(run_quant(poisoned, 'pallas_gpu')),
+                             np.asarray(run_quant(case, 'reference')), atol=2e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real-hardware lowerings, checked from CPU
 # ------------------------------------------------------------------------------------------------
@@ -359,8 +411,8 @@ def _abstract(case, **extra):
   return [spec(case[n]) for n in names], {k: spec(v) for k, v in extra.items()}
 
 
-@pytest.mark.parametrize('quantized', [False, True])
-def test_pallas_tpu_lowers_for_tpu(quantized):
+@pytest.mark.parametrize('quantized,splits', [(False, 1), (True, 1), (False, 2)])
+def test_pallas_tpu_lowers_for_tpu(quantized, splits):
   from kernels import pallas_tpu
   case = small_case(31, 16, 4, 128, 1, jnp.float32)
   extra = {}
@@ -368,7 +420,8 @@ def test_pallas_tpu_lowers_for_tpu(quantized):
     case = quantize(case, jnp.int8)
     extra = dict(k_scales=case.pop('k_scales'), v_scales=case.pop('v_scales'))
   args, kwargs = _abstract(case, **extra)
-  fn = functools.partial(pallas_tpu.paged_attention_pallas_tpu, interpret=False)
+  fn = functools.partial(pallas_tpu.paged_attention_pallas_tpu, interpret=False,
+                         context_splits=splits)
   text = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=('tpu',)).as_text()
   assert 'tpu_custom_call' in text
 
@@ -380,6 +433,22 @@ def test_pallas_gpu_lowers_for_cuda(block_size, num_q):
   args, _ = _abstract(case)
   fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  assert 'triton' in text
+
+
+@pytest.mark.parametrize('qdtype,block_size', [(jnp.int8, 16), (jnp.int8, 8),
+                                               (jnp.float8_e4m3fn, 16)])
+def test_pallas_gpu_lowers_for_cuda_quantized_layer_stacked(qdtype, block_size):
+  """How the model calls it on GPU: quantized pages of a [L, N, ...] pool and a traced layer."""
+  from kernels import pallas_gpu
+  case = quantize(small_case(33, block_size, 4, 64, 1, jnp.bfloat16), qdtype)
+  stack = lambda x: jax.ShapeDtypeStruct((3,) + x.shape, x.dtype)
+  args, _ = _abstract(case)
+  args[1:3] = [stack(case['k_pages']), stack(case['v_pages'])]
+  kwargs = dict(k_scales=stack(case['k_scales']), v_scales=stack(case['v_scales']),
+                layer=jax.ShapeDtypeStruct((), jnp.int32))
+  fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False)
+  text = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=('cuda',)).as_text()
   assert 'triton' in text
 
 
@@ -399,6 +468,32 @@ def test_auto_on_gpu_falls_back_where_the_gpu_kernel_does_not_reach(monkeypatch)
   monkeypatch.setattr(kernels, 'best_impl', lambda backend=None: 'pallas_gpu')
   case = make_case(44, num_kv_heads=2, group=2, head_dim=12, block_size=16, max_blocks=2)
   assert_close(run(case, 'auto'), run(case, 'reference'), jnp.float32)
+
+
+@pytest.mark.parametrize('qdtype,fp8_ok,want', [(jnp.int8, False, 'pallas_gpu'),
+                                                (jnp.float8_e4m3fn, True, 'pallas_gpu'),
+                                                (jnp.float8_e4m3fn, False, 'xla')])
+def test_auto_on_gpu_takes_quantized_pools(monkeypatch, qdtype, fp8_ok, want):
+  """pallas_gpu dequantizes in-kernel, so 'auto' keeps quantized pools on it, except fp8 on a GPU
+  older than sm_89, where Triton cannot convert float8_e4m3fn."""
+  from kernels import pallas_gpu, xla  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(kernels, 'best_impl', lambda backend=None: 'pallas_gpu')
+  monkeypatch.setattr(kernels, 'gpu_converts_fp8', lambda: fp8_ok)
+  called = []
+
+  def spy(module, name, tag):  # the dispatcher looks the function up at call time
+    fn = getattr(module, name)
+    def wrapped(*args, **kwargs):
+      called.append(tag)
+      return fn(*args, **kwargs)
+    monkeypatch.setattr(module, name, wrapped)
+
+  spy(pallas_gpu, 'paged_attention_pallas_gpu', 'pallas_gpu')
+  spy(xla, 'paged_attention_xla', 'xla')
+  case = quantize(make_case(45, num_kv_heads=2, group=2, head_dim=32, block_size=8,
+                            max_blocks=2), qdtype)
+  assert_close(run_quant(case, 'auto'), run_quant(case, 'reference'), jnp.float32)
+  assert called == [want]
 
 
 def test_unknown_impl_raises():
@@ -437,9 +532,7 @@ def test_xla_context_split_matches_reference(splits, num_q):
 @pytest.mark.parametrize('quantized', [False, True])
 def test_layer_stacked_pool_reads_the_right_layer(impl, quantized):
   """The model passes the whole [L, N, ...] pool with `layer=`: every path must read that layer
-  (in place where it can, sliced otherwise) and match the same case given one layer."""
-  if quantized and impl == 'pallas_gpu':
-    pytest.skip('pallas_gpu reads float pages only (auto routes quantized pools to xla)')
+  in place and match the same case given one layer. (triton: tests/test_triton_kernel.py.)"""
   case = make_case(21, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3)
   other = make_case(22, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3)
   if quantized:

@@ -18,11 +18,13 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
-from test_kernels import assert_close, make_case, poison, run  # pylint: disable=wrong-import-position
+from test_kernels import (  # pylint: disable=wrong-import-position
+    assert_close, make_case, poison, poison_quantized, quantize, run, run_quant)
 
 triton = pytest.importorskip('triton', reason='triton not installed (requirements-kernels.txt)')
 pytest.importorskip('torch', reason='the interpreter runs on torch CPU tensors')
 from kernels import triton as kt  # pylint: disable=g-import-not-at-top,wrong-import-position
+from kernels import paged_attention  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def interpreted():
@@ -30,12 +32,14 @@ def interpreted():
   return isinstance(kt._kernel, InterpretedFunction)  # pylint: disable=protected-access
 
 
-def launch(case):
+def launch(case, **kwargs):
+  """The interpreted kernel on `case`, with its scales when it has some."""
   if not interpreted():
     pytest.skip('kernel not interpreted: TRITON_INTERPRET was not 1 when kernels.triton was '
                 'first imported')
+  scales = {n: case[n] for n in ('k_scales', 'v_scales') if n in case}
   return kt.launch_torch(case['q'], case['k_pages'], case['v_pages'], case['block_tables'],
-                         case['context_lens'], case['q_positions'])
+                         case['context_lens'], case['q_positions'], **scales, **kwargs)
 
 
 # (block_size, group, head_dim, num_q, dtype): the dot branch (bs >= 16) and the
@@ -61,6 +65,48 @@ def test_interpreted_kernel_isolation():
                              atol=2e-5, rtol=0)
 
 
+# (block_size, group, num_q): the dot branch and the multiply-reduce branch, decode and prefill.
+QUANT_CASES = [(16, 4, 1), (8, 3, 3)]
+
+
+@pytest.mark.parametrize('qdtype', [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize('block_size,group,num_q', QUANT_CASES)
+def test_interpreted_kernel_quantized_matches_reference(qdtype, block_size, group, num_q):
+  case = quantize(make_case(54, num_kv_heads=2, group=group, head_dim=64, block_size=block_size,
+                            max_blocks=3, num_q=num_q), qdtype)
+  assert_close(launch(case), run_quant(case, 'reference'), jnp.float32)
+
+
+@pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')  # NumPy meeting the poison
+@pytest.mark.parametrize('qdtype,value', [(jnp.int8, np.nan), (jnp.float8_e4m3fn, np.inf)])
+def test_interpreted_kernel_quantized_isolation(qdtype, value):
+  case = quantize(make_case(55, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                            max_blocks=3, num_q=2), qdtype)
+  poisoned = poison_quantized(case, value)
+  assert not np.all(np.isfinite(np.asarray(poisoned['k_scales'])))  # the poison took
+  np.testing.assert_allclose(launch(poisoned), np.asarray(run_quant(case, 'reference')),
+                             atol=2e-5, rtol=0)
+
+
+def stacked(case, other, layers=3, at=1):
+  """`case`'s pages (and scales) as layer `at` of a pool whose other layers hold `other`'s."""
+  names = [n for n in ('k_pages', 'v_pages', 'k_scales', 'v_scales') if n in case]
+  return dict(case, **{n: jnp.stack([case[n] if i == at else other[n] for i in range(layers)])
+                       for n in names})
+
+
+@pytest.mark.parametrize('qdtype', [None, jnp.int8, jnp.float8_e4m3fn])
+def test_interpreted_kernel_reads_the_right_layer(qdtype):
+  """The model passes the whole [L, N, ...] pool and a layer index: the kernel must read that
+  layer in place (first, middle and last, so a wrong stride shows) and match the one layer."""
+  quant = (lambda c: quantize(c, qdtype)) if qdtype is not None else (lambda c: c)
+  case = quant(make_case(56, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3))
+  other = quant(make_case(57, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3))
+  want = run_quant(case, 'reference') if qdtype is not None else run(case, 'reference')
+  for at in range(3):
+    assert_close(launch(stacked(case, other, at=at), layer=at), want, jnp.float32)
+
+
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90():
   """Triton's own compiler (it ships ptxas) builds the kernel down to a cubin for the H200's
@@ -68,9 +114,12 @@ def test_kernel_compiles_for_sm90():
   In a subprocess: triton imported under TRITON_INTERPRET=1 cannot compile."""
   script = textwrap.dedent("""
       from kernels.triton import compile_ahead
-      for block_size, rows, dtype in [(64, 16, 'fp32'), (16, 32, 'bf16'), (8, 16, 'fp32')]:
-        kernel = compile_ahead(90, rows=rows, block_size=block_size, dtype=dtype)
-        assert kernel.asm['cubin'], (block_size, rows, dtype)
+      for block_size, rows, dtype, pages in [(64, 16, 'fp32', None), (16, 32, 'bf16', None),
+                                             (8, 16, 'fp32', None), (16, 16, 'bf16', 'i8'),
+                                             (8, 16, 'fp32', 'i8'), (64, 16, 'bf16', 'fp8e4nv')]:
+        kernel = compile_ahead(90, rows=rows, block_size=block_size, dtype=dtype,
+                               page_dtype=pages)
+        assert kernel.asm['cubin'], (block_size, rows, dtype, pages)
       print('compiled')
   """)
   env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
@@ -91,3 +140,24 @@ def test_jax_triton_launch_matches_reference(block_size, group, head_dim, num_q,
   case = make_case(53, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
                    max_blocks=3, num_q=num_q, dtype=dtype)
   assert_close(run(case, 'triton'), run(case, 'reference'), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason='jax_triton launches need a GPU')
+@pytest.mark.parametrize('qdtype', [None, jnp.int8, jnp.float8_e4m3fn])
+def test_jax_triton_launch_quantized_layer_stacked(qdtype):
+  """How the model calls it on GPU: a [L, N, ...] pool, a traced layer, optionally quantized."""
+  pytest.importorskip('jax_triton')
+  if interpreted():
+    pytest.skip('TRITON_INTERPRET=1 in this process; run with TRITON_INTERPRET=0')
+  quant = (lambda c: quantize(c, qdtype)) if qdtype is not None else (lambda c: c)
+  case = quant(make_case(58, num_kv_heads=2, group=4, head_dim=64, block_size=16, max_blocks=3))
+  other = quant(make_case(59, num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                          max_blocks=3))
+  pool = stacked(case, other, at=2)
+  scales = {n: pool[n] for n in ('k_scales', 'v_scales') if n in pool}
+  got = jax.jit(lambda layer: paged_attention(
+      case['q'], pool['k_pages'], pool['v_pages'], case['block_tables'], case['context_lens'],
+      case['q_positions'], impl='triton', layer=layer, **scales))(jnp.int32(2))
+  want = run_quant(case, 'reference') if qdtype is not None else run(case, 'reference')
+  assert_close(got, want, jnp.float32)

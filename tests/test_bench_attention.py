@@ -1,0 +1,18 @@
+"""The attention benchmark runs end to end and writes what the README quotes (no time asserted)."""
+import json
+
+from tiny_models import run_experiment
+
+
+def test_bench_attention_quick_writes_summary(tmp_path):
+  done = run_experiment('experiments.bench_attention', f'--workdir={tmp_path}', '--quick',
+                        '--contexts=128', '--dtypes=float32', '--rounds=2')
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads((tmp_path / 'summary.json').read_text())
+  figure = summary['figures']['ctx128_float32']
+  assert figure['best_paged'] == 'xla'  # the reference is never "best paged" when xla runs
+  assert set(figure['ms']) == {'contiguous_dense', 'contiguous_flash', 'reference', 'xla'}
+  assert figure['copy_gbs'] > 0 and figure['read_gbs'] > 0
+  assert 0 < figure['bandwidth_fraction'] == figure['achieved_read_gbs'] / figure['copy_gbs']
+  rows = (tmp_path / 'results.jsonl').read_text().splitlines()
+  assert len(rows) == len(figure['ms'])
