@@ -4,7 +4,10 @@ Each full block of a sequence gets a key: hash(parent block's key, its block_siz
 cache salt). The salt enters only the first block's key, and the chain carries it to every later
 one, so requests with different salts (tenants that must not share) never match each other.
 The key covers the whole prefix, so a hit on block i means blocks 0..i are equal too; only
-full blocks are keyed, because a partly filled block is still being written.
+full blocks are keyed, because a partly filled block is still being written. Keys are 64-bit
+Python hashes, which are not collision-resistant (token ids can be chosen to collide), so every
+entry also keeps the content it was keyed on (parent key, token ids, salt) and a hit counts only
+when that content equals the query's: a collision costs a miss, never another prefix's K/V.
 
 Holders and reference counts (allocator.py): a block's ref count is the number of *sequences*
 whose block table holds it. A cache entry is not a holder: when the last sequence drops a
@@ -23,9 +26,15 @@ DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
 EVICTION_POLICIES = ('lru', 'lfu')
 
 
+def block_content(parent: Optional[int], tokens: Seq[int], salt=None) -> Tuple:
+  """What one full block's key stands for: its parent's key, its token ids and (first block
+  only) the salt."""
+  return (parent, tuple(tokens), salt if parent is None else None)
+
+
 def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
   """The chain key of one full block (Python's tuple hash: deterministic for ints)."""
-  return hash((parent, tuple(tokens), salt if parent is None else None))
+  return hash(block_content(parent, tokens, salt))
 
 
 def chain_keys(token_ids: Seq[int], block_size: int, num_blocks: int, salt=None,
@@ -123,6 +132,7 @@ class PrefixCache(CacheBase):
     super().__init__(block_size, eviction)
     self._block_of: Dict[int, int] = {}  # key -> block
     self._key_of: Dict[int, int] = {}  # block -> key
+    self._content_of: Dict[int, Tuple] = {}  # block -> block_content() it was keyed on
 
   def __len__(self) -> int:
     return len(self._block_of)
@@ -142,27 +152,35 @@ class PrefixCache(CacheBase):
                                    parent, have)
     return seq.block_keys[:n]
 
+  def _content(self, seq, keys: List[int], i: int) -> Tuple:
+    tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
+    return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+
   def match(self, seq, n: int) -> List[int]:
     blocks = []
-    for key in self._keys(seq, n):
+    keys = self._keys(seq, n)
+    for i, key in enumerate(keys):
       block = self._block_of.get(key)
-      if block is None:
-        break  # a miss ends the prefix
+      # A miss, or a hash collision with another prefix, ends the prefix.
+      if block is None or self._content_of[block] != self._content(seq, keys, i):
+        break
       blocks.append(block)
     return blocks
 
   def offer(self, seq, n: int) -> None:
     keys = self._keys(seq, n)
     for i in range(seq.num_offered, n):
-      self.insert(keys[i], seq.block_table[i])
+      self.insert(keys[i], seq.block_table[i], self._content(seq, keys, i))
 
-  def insert(self, key: int, block: int) -> bool:
-    """Caches a held, just-filled block; False when the key already names another block (two
-    sequences computed the same prefix at once: the first one keeps the entry)."""
+  def insert(self, key: int, block: int, content: Tuple) -> bool:
+    """Caches a held, just-filled block keyed on `content` (block_content()); False when the
+    key already names another block (two sequences computed the same prefix at once: the first
+    one keeps the entry; or a collision: the first content keeps it)."""
     if key in self._block_of or block in self._key_of:
       return False
     self._block_of[key] = block
     self._key_of[block] = key
+    self._content_of[block] = content
     self._hits[block] = 0
     return True
 
@@ -171,3 +189,4 @@ class PrefixCache(CacheBase):
 
   def _drop(self, block: int) -> None:
     del self._block_of[self._key_of.pop(block)]
+    del self._content_of[block]

@@ -7,7 +7,8 @@ import pytest
 from configs import default
 from pagedjax import config as config_lib
 from pagedjax.allocator import BlockAllocator
-from pagedjax.prefix_cache import PrefixCache, chain_keys
+from pagedjax import prefix_cache
+from pagedjax.prefix_cache import PrefixCache, block_content, chain_keys
 from pagedjax.radix_cache import RadixCache
 from pagedjax.sampling import SamplingParams
 
@@ -28,7 +29,7 @@ def test_lru_evicts_least_recently_released():
   cache = PrefixCache(4, 'lru')
   alloc = BlockAllocator(4, cache=cache)
   for i, b in enumerate(alloc.allocate(3)):
-    cache.insert(i, b)
+    cache.insert(i, b, block_content(None, [i]))
   alloc.free([2])
   alloc.free([3])
   alloc.free([1])
@@ -42,7 +43,7 @@ def test_lfu_keeps_the_most_hit_block():
   cache = PrefixCache(4, 'lfu')
   alloc = BlockAllocator(3, cache=cache)
   for i, b in enumerate(alloc.allocate(2)):
-    cache.insert(i, b)
+    cache.insert(i, b, block_content(None, [i]))
   alloc.take_cached(1)  # block 1: one hit
   alloc.free([1, 1])
   alloc.free([2])  # released later, but never hit
@@ -72,6 +73,20 @@ def test_radix_evicts_leaves_first():
   assert alloc.allocate(2) == [3, 2]  # the free block, then the leaf
   assert cache.match(_Seq([1, 2, 3, 4], []), 2) == [1]
   assert alloc.allocate(1) == [1] and len(cache) == 0
+
+
+def test_hash_collisions_miss_instead_of_sharing(monkeypatch):
+  """Every key collides (a forced hash): a hit must still require the same tokens, parent and
+  salt, so another prefix's blocks are never returned."""
+  monkeypatch.setattr(prefix_cache, 'block_key', lambda parent, tokens, salt=None: 7)
+  cache = PrefixCache(2, 'lru')
+  alloc = BlockAllocator(6, cache=cache)
+  seq = _Seq([1, 2, 3, 4], alloc.allocate(2))
+  cache.offer(seq, 2)  # the second block's key is taken by the first: only block 0 is cached
+  assert len(cache) == 1
+  assert cache.match(_Seq([1, 2, 3, 4], []), 2) == seq.block_table[:1]
+  assert cache.match(_Seq([5, 6, 3, 4], []), 2) == []  # same key, other tokens
+  assert cache.match(_Seq([1, 2], [], salt='x'), 1) == []  # same key and tokens, other salt
 
 
 def test_radix_keeps_one_copy_of_a_prefix_computed_twice():
