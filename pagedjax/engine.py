@@ -33,12 +33,14 @@ import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
 
+import jax
 import numpy as np
 
 from pagedjax import beam as beam_lib
 from pagedjax import pool as pool_lib
 from pagedjax import quant
 from pagedjax import prefix_cache, radix_cache
+from pagedjax import sharding
 from pagedjax.allocator import BlockAllocator
 from pagedjax.block_copy import BlockCopier
 from pagedjax.block_manager import BlockManager
@@ -63,8 +65,10 @@ class RequestError(ValueError):
 
 
 def _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant, max_batch_size,
-               preemption):
-  """The empty pool: plain kv_dtype storage, or a quantized one (quant.py)."""
+               preemption, mesh=None):
+  """The empty pool: plain kv_dtype storage, or a quantized one (quant.py). With a mesh it is
+  created already split over KV heads: each device allocates only its shard (a pool sized for
+  the whole mesh need not fit on one device first)."""
   kv_dtype = kv_dtype or model_cfg.dtype
   if kv_quant is None and kv_dtype not in DTYPES:
     kv_quant = quant.KVQuantConfig(kv_dtype)  # a quantized storage named by kv_dtype alone
@@ -72,9 +76,12 @@ def _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant, max_batch_
     raise ValueError('swap preemption does not carry a recent-window pool\'s per-lane rings '
                      '(quant.py): use preemption=\'recompute\', which rebuilds them')
   # A recent window keeps one ring lane per running sequence: lanes 1..max_batch_size.
-  return pool_lib.init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads,
-                            block_size, model_cfg.head_dim, DTYPES.get(kv_dtype),
-                            kv_quant=kv_quant, max_sequences=max_batch_size)
+  make = lambda: pool_lib.init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads,
+                                    block_size, model_cfg.head_dim, DTYPES.get(kv_dtype),
+                                    kv_quant=kv_quant, max_sequences=max_batch_size)
+  if mesh is None:
+    return make()
+  return sharding.empty_pool_like(jax.eval_shape(make), mesh, model_cfg.num_kv_heads)
 
 
 class Engine:
@@ -90,7 +97,7 @@ class Engine:
                kv_quant: Optional[quant.KVQuantConfig] = None,
                prefix_caching: bool = False, prefix_cache_design: str = 'hash',
                prefix_cache_eviction: str = 'lru',
-               timer: Callable[[], float] = time.perf_counter):
+               timer: Callable[[], float] = time.perf_counter, mesh=None):
     """step_fn lets engines of the same model share compiled steps (tests, sweeps).
 
     pool_kind: 'paged' or 'contiguous' (block_manager.py). preemption: 'recompute' or 'swap'.
@@ -98,8 +105,10 @@ class Engine:
     query tokens per iteration (default: a full chunk for every row). swap_blocks: host tier
     size (default: as many blocks as the pool). kv_quant: the pool's storage (quant.py;
     default: plain kv_dtype). prefix_caching: reuse cached full blocks of earlier prompts
-    (design 'hash': prefix_cache.py, or 'radix': radix_cache.py; eviction 'lru' or 'lfu'). timer: the clock's source
-    (tests inject one).
+    (design 'hash': prefix_cache.py, or 'radix': radix_cache.py; eviction 'lru' or 'lfu').
+    timer: the clock's source (tests inject one). mesh: the ('model',) mesh of a tensor-parallel
+    engine (factory.make_engine passes it with params and a step_fn built for it); the pool is
+    then created split over KV heads.
     """
     self.cfg = model_cfg
     self.params = params
@@ -123,7 +132,7 @@ class Engine:
     self.blocks = BlockManager(self.allocator, block_size, pool_kind, self.max_seq_len,
                                watermark_blocks=int(watermark * (num_blocks - 1)))
     self.pool = _init_pool(model_cfg, num_blocks, block_size, kv_dtype, kv_quant,
-                           max_batch_size, preemption)
+                           max_batch_size, preemption, mesh)
     # Rings of a recent window belong to a lane, not to blocks: shared blocks cannot carry them.
     self._can_share = not self.pool.scheme.recent_window
     if prefix_caching and not self._can_share:

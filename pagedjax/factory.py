@@ -1,8 +1,8 @@
 """From a validated experiment config to a ready engine: model, params, tokenizer, pool.
 
-With config.mesh.model > 1 the engine runs tensor-parallel (pagedjax/sharding.py): the params and
-the pool are placed on a ('model',) mesh here, after the engine is built, so the engine and its
-host logic are the same code for one device or many.
+With config.mesh.model > 1 the engine runs tensor-parallel (pagedjax/sharding.py): the params are
+placed on a ('model',) mesh here and the engine creates its pool in shards on it, so the engine
+and its host logic are the same code for one device or many.
 """
 import dataclasses
 import os
@@ -74,8 +74,6 @@ def make_engine(config, model_cfg, params, tokenizer, **overrides) -> Engine:
     raise ValueError(f'step_fn was built for mesh {getattr(step_fn, "mesh", None)}, but '
                      f'config.mesh.model={tp} needs {mesh}: build it with '
                      'CompiledStep(..., mesh=sharding.make_mesh(tp))')
-  engine = Engine(sharded_cfg, params, **kwargs)
-  # The engine made an empty pool on one device; replace it by one made in shards. Every step
-  # donates the pool and returns it with the same sharding (steps.py): it stays split, in place.
-  engine.pool = sharding.empty_pool_like(engine.pool, mesh, sharded_cfg.num_kv_heads)
-  return engine
+  # The pool is created in shards; every step donates it and returns it with the same sharding
+  # (steps.py): it stays split, in place.
+  return Engine(sharded_cfg, params, mesh=mesh, **kwargs)
