@@ -13,13 +13,28 @@ favour of Mosaic GPU (a deliberate choice, revisit when Triton support is remove
   bare `pallas_call` on GPU became Mosaic GPU). On a JAX without the Triton lowering this path
   fails at lowering time; `triton` (jax_triton) and `xla` remain.
 
-Grid (B, Hkv): one program per sequence and KV head walks that sequence's visible blocks with a
-`fori_loop` whose trip count is its own block count, so blocks past the length (padding entries,
-the null block 0) are never read. Each step loads one physical [bs, D] block of K and V by its
-block-table entry and folds it into a running softmax of the group's query rows, padded to at
-least 16 rows so the two products run as dots (tensor cores) on GPU; float32 dots ask for
-HIGHEST precision so the GPU does not silently use TF32. Masking uses `where`: past-length
-slots may hold NaN or inf.
+Grid (B, Hkv, S): one program per sequence, KV head and context split walks its split's share of
+the sequence's visible blocks with a `fori_loop` whose bounds come from the sequence's own block
+count, so blocks past the length (padding entries, the null block 0) are never read. Each step
+loads one physical [bs, D] block of K and V by its block-table entry and folds it into a running
+softmax of the group's query rows, padded to at least 16 rows so the two products run as dots
+(tensor cores) on GPU; float32 dots ask for HIGHEST precision so the GPU does not silently use
+TF32. Masking uses `where`: past-length slots may hold NaN or inf.
+
+Context splits (flash-decoding). A program is a whole sequence's walk; decode of a few long
+sequences gives too few programs to fill the GPU (an H100/H200 has 132 SMs; B * Hkv = 8 leaves
+most of them idle while 8 of them read the whole cache). With S > 1, program c walks logical
+blocks [c * per, min((c + 1) * per, count)), per = ceil(MB / S), and writes its unnormalised
+float32 state (acc [Rp, D], m [Rp], l [Rp]); `merge_splits` (plain XLA, after the kernel)
+rescales each split by exp(m - max m) and normalises once; a split that saw nothing has m = -inf
+and weighs 0. With S == 1 the kernel writes the normalised output directly (no extra traffic).
+Default (`default_context_splits`): S = clamp(ceil(2 * SMs / (B * Hkv)), 1,
+ceil(MB / max(1, 256 // bs))): about two programs per SM, so one slow program does not leave
+the GPU idle, but at least ~256 tokens of the bucket per split, since shorter splits add partial
+writes and merge work for little parallelism. Both constants are unmeasured guesses (vLLM's
+paged attention v2 partitions at 512 tokens); tune them on the GPU. S is static (it sets the
+grid): it comes from shapes (block_tables.shape[1], the bucketed max blocks), never from traced
+lengths. SMs: the GPU device's `core_count` when it reports one, else 132 (H100 / H200).
 
 The pool is read layer-stacked, [L, N, Hkv, bs, D]: the model's `layer` (a traced int) arrives
 as a 1-element int32 array and the kernel indexes the stacked refs with it, so no layer is ever
@@ -34,6 +49,7 @@ of the pool is ever written. float8_e4m3fn conversion needs sm_89 or newer (the 
 below); int8 runs on any GPU.
 """
 import functools
+import numbers
 
 import jax
 from jax.experimental import pallas as pl
@@ -54,12 +70,14 @@ def _pow2(n):
 # ------------------------------------------------------------------------------------------------
 def paged_attention_pallas_gpu(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
                                scale=None, k_scales=None, v_scales=None, layer=None,
-                               interpret=None, num_warps=4, num_stages=2):
+                               interpret=None, num_warps=4, num_stages=2, context_splits=None):
   """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]. block_size
   and head_dim must be powers of two.
 
   layer: index into layer-stacked pages [L, N, ...] (and scales [L, N, Hkv, bs]), read in place.
   interpret: None interprets (on CPU) whenever the default backend is not a GPU.
+  context_splits: split each sequence's blocks over that many programs (flash-decoding);
+  default: `default_context_splits` (see the module docstring).
   """
   if layer is None:  # one layer's pages: check them, then view them as a stack of one
     check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
@@ -73,20 +91,68 @@ def paged_attention_pallas_gpu(q, k_pages, v_pages, block_tables, context_lens, 
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
+  splits = split_count(context_splits, q.shape[0], k_pages.shape[2], block_tables.shape[1],
+                       block_size)
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
                           k_scales, v_scales, jnp.asarray(layer, jnp.int32).reshape(1),
                           scale=scale, interpret=bool(interpret), num_warps=num_warps,
-                          num_stages=num_stages)
+                          num_stages=num_stages, splits=splits)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'num_warps', 'num_stages'))
+# Fallback SM count (H100 / H200) when the device does not report one (e.g. interpreting on CPU).
+_DEFAULT_SMS = 132
+# Fewest tokens worth a split of their own: below this the partial writes and the merge cost
+# more than the extra parallelism buys.
+_MIN_SPLIT_TOKENS = 256
+
+
+def default_context_splits(batch, num_kv_heads, max_blocks, block_size):
+  """Context splits for a GPU launch (a Python int, from shapes only): about two programs per SM,
+  at least ~256 tokens a split, at most one split per block. See the module docstring."""
+  device = jax.devices()[0]
+  sms = getattr(device, 'core_count', None) if device.platform == 'gpu' else None
+  sms = sms or _DEFAULT_SMS
+  wanted = -(-2 * sms // max(1, batch * num_kv_heads))
+  min_blocks = max(1, _MIN_SPLIT_TOKENS // block_size)
+  return max(1, min(wanted, -(-max_blocks // min_blocks)))
+
+
+def split_count(context_splits, batch, num_kv_heads, max_blocks, block_size):
+  """The static split count a launch uses: `context_splits` (None: the default heuristic),
+  validated, then trimmed so that no split starts past the last block (7 blocks in 5 splits
+  would give per = 2 and an empty fifth split: 4 splits of 2, 2, 2, 1 instead)."""
+  if context_splits is None:
+    context_splits = default_context_splits(batch, num_kv_heads, max_blocks, block_size)
+  if (isinstance(context_splits, bool) or not isinstance(context_splits, numbers.Integral)
+      or context_splits < 1):  # a static int: it sets the grid
+    raise ValueError(f'context_splits must be an int >= 1, got {context_splits!r}')
+  if max_blocks <= 1:
+    return 1
+  per = -(-max_blocks // min(int(context_splits), max_blocks))
+  return -(-max_blocks // per)
+
+
+def merge_splits(acc, m, l):
+  """Softmax states of disjoint key ranges, acc [..., S, R, D], m and l [..., S, R] (float32)
+  -> normalised [..., R, D]. A split that saw nothing (m = -inf) weighs exp(-inf) = 0; a row
+  that saw nothing anywhere gets 0."""
+  m_max = jnp.max(m, axis=-2, keepdims=True)
+  weight = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [..., S, R]
+  total = jnp.sum(weight * l, axis=-2)
+  out = jnp.sum(weight[..., None] * acc, axis=-3)
+  return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'num_warps', 'num_stages',
+                                             'splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                     v_scales, layer, *, scale, interpret, num_warps, num_stages):
+                     v_scales, layer, *, scale, interpret, num_warps, num_stages, splits):
   batch, num_q, num_heads, head_dim = q.shape
   _, _, num_kv_heads, block_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   rows = num_q * group
   padded_rows = max(_MIN_DOT, pl.next_power_of_2(rows))
+  per_split = -(-block_tables.shape[1] // splits)  # logical blocks per split; the last may be short
   quantized = k_scales is not None
 
   # [B, T, Hkv, G, D] -> [B, Hkv, Rp, D]: a KV group's rows ordered (t, g), zero-padded.
@@ -104,19 +170,34 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   whole = pl.BlockSpec()
   operands = [qg, row_seen, block_tables, context_lens, num_blocks.astype(jnp.int32), layer,
               k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
-  kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized)
+  # One split writes the normalised output; several write their unnormalised float32 state
+  # (acc, m, l) for `merge_splits` (float32 so the merge loses nothing).
+  part = lambda shape: pl.BlockSpec((None, None, None) + shape,
+                                    lambda b, h, c: (b, h, c) + (0,) * len(shape))
+  part_shape = lambda shape, dtype: jax.ShapeDtypeStruct((batch, num_kv_heads, splits) + shape,
+                                                         dtype)
+  if splits == 1:
+    out_specs = part((padded_rows, head_dim))
+    out_shape = part_shape((padded_rows, head_dim), q.dtype)
+  else:
+    out_specs = [part((padded_rows, head_dim)), part((padded_rows,)), part((padded_rows,))]
+    out_shape = [part_shape((padded_rows, head_dim), jnp.float32),
+                 part_shape((padded_rows,), jnp.float32), part_shape((padded_rows,), jnp.float32)]
+  kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized,
+                             per_split=per_split, partial_out=splits > 1)
   out = pl.pallas_call(
       kernel,
-      grid=(batch, num_kv_heads),
+      grid=(batch, num_kv_heads, splits),
       in_specs=[
-          pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h: (b, h, 0, 0)),
-          pl.BlockSpec((None, padded_rows), lambda b, h: (b, 0)),
+          pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, c: (b, h, 0, 0)),
+          pl.BlockSpec((None, padded_rows), lambda b, h, c: (b, 0)),
       ] + [whole] * (len(operands) - 2),
-      out_specs=pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h: (b, h, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
   )(*operands)
+  out = out[:, :, 0] if splits == 1 else merge_splits(*out).astype(q.dtype)
   out = out[:, :, :rows].reshape(batch, num_kv_heads, num_q, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
 
@@ -125,15 +206,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
 # Kernel body
 # ------------------------------------------------------------------------------------------------
 def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref, v_ref, *rest,
-            scale, block_size, quantized):
+            scale, block_size, quantized, per_split, partial_out):
   """q_ref [Rp, D]; seen_ref [Rp]; tables_ref [B, MB]; lens_ref, counts_ref [B]; layer_ref [1];
   k_ref, v_ref the whole stacked pool [L, N, Hkv, bs, D]; (ks_ref, vs_ref [L, N, Hkv, bs]);
-  o_ref [Rp, D]."""
-  if quantized:
-    ks_ref, vs_ref, o_ref = rest
-  else:
-    (o_ref,) = rest
-  b, h = pl.program_id(0), pl.program_id(1)
+  o_ref [Rp, D] (partial_out: float32 acc, then om_ref, ol_ref [Rp]). Grid (b, h, split c)."""
+  rest = list(rest)
+  ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   f32 = jnp.float32
   q = q_ref[...].astype(f32) * scale
   row_seen = seen_ref[...]
@@ -176,5 +255,14 @@ def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref,
 
   init = (jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32),
           jnp.zeros((rows, head_dim), f32))
-  _, l, acc = jax.lax.fori_loop(0, counts_ref[b], step, init)
-  o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+  # This split's blocks: [c * per, min((c + 1) * per, count)); empty (start >= stop) for a split
+  # past a short sequence's last block, which then reports m = -inf, l = 0, acc = 0.
+  start = c * per_split
+  stop = jnp.maximum(start, jnp.minimum(start + per_split, counts_ref[b]))
+  m, l, acc = jax.lax.fori_loop(start, stop, step, init)
+  if partial_out:
+    o_ref, om_ref, ol_ref = rest
+    o_ref[...], om_ref[...], ol_ref[...] = acc, m, l
+  else:
+    (o_ref,) = rest
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)

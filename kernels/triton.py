@@ -5,11 +5,19 @@ wrapper runs. The kernel itself is plain Triton: on CPU, CI runs the very same f
 Triton's interpreter (`TRITON_INTERPRET=1` set before this module is imported) with torch CPU
 tensors through `launch_torch`; see tests/test_triton_kernel.py.
 
-Grid (B, Hkv): one program per sequence and KV head. It loops over that sequence's visible
-blocks only (a runtime trip count), loads each physical [bs, D] block of K and V at its
-block-table entry by pointer offset, and folds it into a running softmax over the group's query
-rows (T*G rows, zero-padded to a power of two >= 16 so both products are `tl.dot`s; float32 dots
-use IEEE precision, not TF32). Masking uses `tl.where`: past-length slots may hold NaN or inf.
+Grid (B, Hkv, S): one program per sequence, KV head and context split. It loops over its
+split's share of that sequence's visible blocks only (a runtime bound), loads each physical
+[bs, D] block of K and V at its block-table entry by pointer offset, and folds it into a
+running softmax over the group's query rows (T*G rows, zero-padded to a power of two >= 16 so
+both products are `tl.dot`s; float32 dots use IEEE precision, not TF32). Masking uses
+`tl.where`: past-length slots may hold NaN or inf.
+
+Context splits (flash-decoding), as in kernels/pallas_gpu.py and with its heuristic
+(`default_context_splits`: about two programs per SM, at least ~256 tokens a split, from shapes
+only; the module docstring there says why): with S > 1 program c walks logical blocks
+[c * per, min((c + 1) * per, count)), per = ceil(MB / S), and stores its unnormalised float32
+state (acc, m, l); `merge_splits` (JAX, after the launch; launch_torch uses it too) combines
+them, a split that saw nothing weighing 0. With S == 1 the kernel stores the normalised output.
 
 The pool is read layer-stacked, [L, N, Hkv, bs, D]: the model's `layer` (a traced int) arrives
 as a 1-element int32 array that the kernel loads and turns into a pointer offset,
@@ -26,8 +34,9 @@ both dtypes on CPU); on GPU, float8_e4m3fn (Triton's fp8e4nv) needs sm_89 or new
 Layouts the kernel reads (all contiguous): q [B, Hkv, Rp, D]; row_seen [B, Rp] (tokens each
 row sees); pages [L, N, Hkv, bs, D]; scales [L, N, Hkv, bs] (a 1-element placeholder when the
 pages are float); layer [1]; block_tables [B, MB]; context_lens, num_blocks [B];
-out [B, Hkv, Rp, D]; layer_stride = N * Hkv * bs (token rows per layer, a runtime integer: the
-scales' layer stride, the pages' is D times that).
+out [B, Hkv, S, Rp, D] (q's dtype when S == 1, else float32), m and l [B, Hkv, S, Rp] float32
+(1-element placeholders when S == 1); layer_stride = N * Hkv * bs (token rows per layer, a
+runtime integer: the scales' layer stride, the pages' is D times that).
 """
 # Annotations stay strings ('tl.constexpr'): this module imports without triton, and Triton's
 # interpreter re-compiles the kernel source with postponed annotations anyway.
@@ -39,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import check_inputs, stack_one_layer
+from kernels.pallas_gpu import merge_splits, split_count
 
 try:
   import triton
@@ -62,10 +72,11 @@ def padded_rows(rows):
 # ------------------------------------------------------------------------------------------------
 def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
                            scale=None, k_scales=None, v_scales=None, layer=None, num_warps=4,
-                           num_stages=2):
+                           num_stages=2, context_splits=None):
   """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]; needs a GPU,
   triton and jax_triton. layer: index into layer-stacked pages [L, N, ...] (and scales),
-  read in place."""
+  read in place. context_splits: split each sequence's blocks over that many programs
+  (flash-decoding); default: kernels.pallas_gpu.default_context_splits."""
   if layer is None:  # one layer's pages: check them, then view them as a stack of one
     check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
                  v_scales)
@@ -78,10 +89,12 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_po
     raise RuntimeError(f'impl="triton" needs jax_triton and a GPU jaxlib ({e}); on CPU use '
                        'impl="xla"') from e
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  splits = split_count(context_splits, q.shape[0], k_pages.shape[2], block_tables.shape[1],
+                       k_pages.shape[3])
   return _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens,
                           q_positions, k_scales, v_scales,
                           jnp.asarray(layer, jnp.int32).reshape(1), float(scale), num_warps,
-                          num_stages)
+                          num_stages, splits)
 
 
 def _check_supported(k_pages):
@@ -111,6 +124,22 @@ def prepare(q, block_tables, context_lens, q_positions, num_kv_heads, block_size
   return qg, row_seen.astype(jnp.int32), num_blocks.astype(jnp.int32)
 
 
+def out_shapes(qg_shape, splits):
+  """The launch's (out, m, l) shapes. With splits == 1, out is the normalised output in q's
+  dtype and m, l are 1-element placeholders the kernel never writes; else all three are the
+  float32 partial states."""
+  batch, num_kv_heads, rows, head_dim = qg_shape
+  if splits == 1:
+    return [(batch, num_kv_heads, 1, rows, head_dim), (1,), (1,)]
+  return [(batch, num_kv_heads, splits, rows, head_dim), (batch, num_kv_heads, splits, rows),
+          (batch, num_kv_heads, splits, rows)]
+
+
+def finish(out, m, l, splits, dtype):
+  """Kernel outputs (see out_shapes) -> normalised [B, Hkv, Rp, D] in `dtype`."""
+  return out[:, :, 0] if splits == 1 else merge_splits(out, m, l).astype(dtype)
+
+
 def unprepare(out, num_q, num_heads):
   """[B, Hkv, Rp, D] kernel output -> [B, T, Hq, D]."""
   batch, num_kv_heads, _, head_dim = out.shape
@@ -119,9 +148,9 @@ def unprepare(out, num_q, num_heads):
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 10, 11, 12))
+@functools.partial(jax.jit, static_argnums=(0, 10, 11, 12, 13))
 def _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                     k_scales, v_scales, layer, scale, num_warps, num_stages):
+                     k_scales, v_scales, layer, scale, num_warps, num_stages, splits):
   batch, num_q, num_heads, _ = q.shape
   _, num_pages, num_kv_heads, block_size, head_dim = k_pages.shape
   qg, row_seen, num_blocks = prepare(q, block_tables, context_lens, q_positions, num_kv_heads,
@@ -129,32 +158,34 @@ def _paged_attention(jax_triton, q, k_pages, v_pages, block_tables, context_lens
   quantized = k_scales is not None
   if not quantized:  # the kernel takes scale pointers either way; QUANTIZED=False never reads them
     k_scales = v_scales = jnp.zeros((1,), jnp.float32)
-  out = jax_triton.triton_call(
+  out, m, l = jax_triton.triton_call(
       qg, k_pages, v_pages, k_scales, v_scales, layer, block_tables, context_lens, row_seen,
       num_blocks, num_pages * num_kv_heads * block_size,
       kernel=_kernel,
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      grid=(batch, num_kv_heads),
+      out_shape=[jax.ShapeDtypeStruct(shape, q.dtype if i == 0 and splits == 1 else jnp.float32)
+                 for i, shape in enumerate(out_shapes(qg.shape, splits))],
+      grid=(batch, num_kv_heads, splits),
       num_warps=num_warps, num_stages=num_stages,
       **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim, scale,
-              quantized))
-  return unprepare(out, num_q, num_heads)
+              quantized, splits))
+  return unprepare(finish(out, m, l, splits, q.dtype), num_q, num_heads)
 
 
-def _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, scale, quantized):
+def _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, scale, quantized, splits):
   return dict(SCALE=scale, NUM_KV_HEADS=num_kv_heads, MAX_BLOCKS=max_blocks, ROWS=rows,
               BLOCK_SIZE=block_size, HEAD_DIM=head_dim, USE_DOT=block_size >= _MIN_DOT,
-              QUANTIZED=quantized)
+              QUANTIZED=quantized, SPLITS=splits, PER_SPLIT=-(-max_blocks // splits))
 
 
 # ------------------------------------------------------------------------------------------------
 # Wrapper (torch: Triton's CPU interpreter in tests, or a torch caller on GPU)
 # ------------------------------------------------------------------------------------------------
 def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *, scale=None,
-                 k_scales=None, v_scales=None, layer=None):
+                 k_scales=None, v_scales=None, layer=None, context_splits=None):
   """Runs the kernel on torch tensors on the inputs' device: JAX/numpy inputs are converted.
   Optional int8/fp8 scales [N, Hkv, bs]; with `layer`, pages [L, N, ...] and scales
   [L, N, Hkv, bs] are layer-stacked and that layer is read in place, as on GPU.
+  context_splits as in paged_attention_triton; the split states are merged in JAX.
 
   Returns a numpy array [B, T, Hq, D] (float32 for float32 pages, else q's dtype as float32).
   """
@@ -168,6 +199,7 @@ def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *
   batch, num_q, num_heads, head_dim = q.shape
   _, num_pages, num_kv_heads, block_size, _ = k_pages.shape
   scale = head_dim ** -0.5 if scale is None else scale
+  splits = split_count(context_splits, batch, num_kv_heads, block_tables.shape[1], block_size)
   qg, row_seen, num_blocks = prepare(jnp.asarray(q), jnp.asarray(block_tables),
                                      jnp.asarray(context_lens), jnp.asarray(q_positions),
                                      num_kv_heads, block_size)
@@ -186,29 +218,35 @@ def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *
 
   args = [to_torch(x) for x in (qg, k_pages, v_pages, k_scales, v_scales, layer, block_tables,
                                 context_lens, row_seen, num_blocks)]
-  out = torch.empty(tuple(qg.shape), dtype=args[0].dtype)
-  _kernel[(batch, num_kv_heads)](
-      *args, num_pages * num_kv_heads * block_size, out,
+  # NaN-filled, not empty: a slot the kernel failed to write shows in the result.
+  outs = [torch.full(shape, float('nan'),
+                     dtype=args[0].dtype if i == 0 and splits == 1 else torch.float32)
+          for i, shape in enumerate(out_shapes(tuple(qg.shape), splits))]
+  _kernel[(batch, num_kv_heads, splits)](
+      *args, num_pages * num_kv_heads * block_size, *outs,
       **_meta(qg.shape[2], num_kv_heads, block_tables.shape[1], block_size, head_dim,
-              float(scale), quantized))
-  return np.asarray(unprepare(jnp.asarray(out.float().numpy()), num_q, num_heads))
+              float(scale), quantized, splits))
+  out, m, l = (jnp.asarray(x.float().numpy()) for x in outs)
+  return np.asarray(unprepare(finish(out, m, l, splits, jnp.float32), num_q, num_heads))
 
 
 def compile_ahead(capability=90, *, rows=16, num_kv_heads=8, max_blocks=16, block_size=64,
-                  head_dim=64, dtype='fp32', page_dtype=None, num_warps=4, num_stages=2):
+                  head_dim=64, dtype='fp32', page_dtype=None, num_warps=4, num_stages=2,
+                  splits=1):
   """Compiles the kernel for a CUDA compute capability without a GPU (Triton ships ptxas);
   returns Triton's compiled kernel, whose .asm holds ttir/ttgir/llir/ptx/cubin. dtype: q and
   output ('fp32', 'bf16'); page_dtype: the pages' (default dtype; 'i8' or 'fp8e4nv' compile the
-  quantized kernel). Needs a process in which TRITON_INTERPRET was not set when triton was
-  imported."""
+  quantized kernel); splits > 1 compiles the split kernel (float32 partial outputs). Needs a
+  process in which TRITON_INTERPRET was not set when triton was imported."""
   from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
   from triton.runtime.jit import JITFunction  # pylint: disable=import-outside-toplevel
   fn = JITFunction(_paged_attention_kernel)
   page_dtype = dtype if page_dtype is None else page_dtype
   quantized = page_dtype in ('i8', 'fp8e4nv')
-  meta = _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, 0.125, quantized)
-  types = dict(q_ptr=f'*{dtype}', o_ptr=f'*{dtype}', k_ptr=f'*{page_dtype}',
-               v_ptr=f'*{page_dtype}', ks_ptr='*fp32', vs_ptr='*fp32',
+  meta = _meta(rows, num_kv_heads, max_blocks, block_size, head_dim, 0.125, quantized, splits)
+  types = dict(q_ptr=f'*{dtype}', o_ptr=f'*{dtype}' if splits == 1 else '*fp32',
+               k_ptr=f'*{page_dtype}', v_ptr=f'*{page_dtype}', ks_ptr='*fp32', vs_ptr='*fp32',
+               m_ptr='*fp32', l_ptr='*fp32',
                layer_stride='i32')  # what jax_triton passes for a Python int below 2**31
   signature = {name: types.get(name, '*i32') for name in fn.arg_names if name not in meta}
   signature.update({name: 'constexpr' for name in meta})
@@ -221,13 +259,15 @@ def compile_ahead(capability=90, *, rows=16, num_kv_heads=8, max_blocks=16, bloc
 # Kernel body
 # ------------------------------------------------------------------------------------------------
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, layer_ptr, tables_ptr, lens_ptr,
-                            seen_ptr, counts_ptr, layer_stride, o_ptr, SCALE: tl.constexpr,
-                            NUM_KV_HEADS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-                            ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, USE_DOT: tl.constexpr,
-                            QUANTIZED: tl.constexpr):
+                            seen_ptr, counts_ptr, layer_stride, o_ptr, m_ptr, l_ptr,
+                            SCALE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                            MAX_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            USE_DOT: tl.constexpr, QUANTIZED: tl.constexpr,
+                            SPLITS: tl.constexpr, PER_SPLIT: tl.constexpr):
   b = tl.program_id(0)
   h = tl.program_id(1)
+  c = tl.program_id(2)
   r = tl.arange(0, ROWS)
   d = tl.arange(0, HEAD_DIM)
   t = tl.arange(0, BLOCK_SIZE)
@@ -244,8 +284,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, layer_ptr, tabl
   l = tl.zeros((ROWS,), tl.float32)
   acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
   # A constant trip count with a uniform branch, not range(num_blocks): Triton's interpreter
-  # cannot take a loaded scalar as a loop bound under NumPy >= 2.4.
-  for j in range(0, MAX_BLOCKS):
+  # cannot take a loaded scalar as a loop bound under NumPy >= 2.4. This split's blocks are
+  # [c * PER_SPLIT, min((c + 1) * PER_SPLIT, num_blocks)) (num_blocks <= MAX_BLOCKS); none for
+  # a split past a short sequence's end, which then stores m = -inf, l = 0, acc = 0.
+  for i in range(0, PER_SPLIT):
+    j = c * PER_SPLIT + i
     if j < num_blocks:
       block = tl.load(tables_ptr + b * MAX_BLOCKS + j).to(tl.int64)
       # The block's first token row: scales [L, N, Hkv, bs] are indexed by row, pages by row * D.
@@ -276,8 +319,15 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, layer_ptr, tabl
         pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
       acc = acc * alpha[:, None] + pv
       m = m_new
-  out = acc / tl.where(l > 0, l, 1.0)[:, None]
-  tl.store(o_ptr + tile + r[:, None] * HEAD_DIM + d[None, :], out.to(o_ptr.dtype.element_ty))
+  part = (b * NUM_KV_HEADS + h).to(tl.int64) * SPLITS + c  # this program's [B, Hkv, S] index
+  if SPLITS == 1:
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + part * ROWS * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :],
+             out.to(o_ptr.dtype.element_ty))
+  else:  # the unnormalised float32 state, for merge_splits
+    tl.store(o_ptr + part * ROWS * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :], acc)
+    tl.store(m_ptr + part * ROWS + r, m)
+    tl.store(l_ptr + part * ROWS + r, l)
 
 
 # Decorated at import: under TRITON_INTERPRET=1 this is Triton's interpreted function.

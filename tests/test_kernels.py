@@ -285,14 +285,14 @@ def test_xla_quantized_isolation():
 # ------------------------------------------------------------------------------------------------
 PALLAS_CASES = [  # (block_size, group, head_dim, num_q, dtype); small: interpreting is slow
     (16, 4, 128, 1, jnp.float32),
+    (128, 8, 64, 1, jnp.float32),
     (8, 3, 64, 3, jnp.float32),
     (16, 1, 64, 1, jnp.bfloat16),
 ]
 
 
 def small_case(seed, block_size, group, head_dim, num_q, dtype):
-  lengths = [0, 1, block_size + 1, 3 * block_size] if num_q == 1 else [block_size - 1, 1,
-                                                                       3 * block_size]
+  lengths = lengths_for(block_size, 3) if num_q == 1 else [block_size - 1, 1, 3 * block_size]
   return make_case(seed, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
                    max_blocks=3, num_q=num_q, dtype=dtype, lengths=lengths)
 
@@ -402,6 +402,99 @@ def test_pallas_gpu_quantized_isolation(qdtype, value):
                              np.asarray(run_quant(case, 'reference')), atol=2e-5, rtol=0)
 
 
+def split_case(seed, num_q, qdtype):
+  """A flash-decoding case: 7 blocks of 16 (lengths 0, 1, 15, 16, 17, 112), so with 2 or 3
+  splits the last split of the 112-token sequence runs short and the later splits of the short
+  sequences see nothing; poisoned (NaN/inf in the null block, unowned blocks and past-length
+  slots, and their scales), with the clean case's reference output."""
+  case = make_case(seed, num_kv_heads=2, group=4, head_dim=64, block_size=16, max_blocks=7,
+                   num_q=num_q)
+  if qdtype is None:
+    return poison(case, np.inf), run(case, 'reference')
+  case = quantize(case, qdtype)
+  return poison_quantized(case, np.nan), run_quant(case, 'reference')
+
+
+def split_args(case, layered):
+  """(args, kwargs) for a kernel wrapper; layered: the case's pages as layer 2 of a 3-layer
+  pool whose other layers hold NaN, read with `layer=2`."""
+  names = [n for n in ('k_pages', 'v_pages', 'k_scales', 'v_scales') if n in case]
+  pool = {n: case[n] for n in names}
+  kwargs = {}
+  if layered:
+    nan = lambda x: jnp.full(x.shape, np.nan, jnp.float32).astype(x.dtype)
+    pool = {n: jnp.stack([nan(case[n]), nan(case[n]), case[n]]) for n in names}
+    kwargs['layer'] = jnp.int32(2)
+  kwargs.update({n: pool[n] for n in ('k_scales', 'v_scales') if n in pool})
+  args = (case['q'], pool['k_pages'], pool['v_pages'], case['block_tables'],
+          case['context_lens'], case['q_positions'])
+  return args, kwargs
+
+
+# (splits, num_q, page dtype, layer-stacked): decode and a prefill chunk with a padded query,
+# float and int8/fp8 pages, one and a stacked layer.
+SPLIT_CASES = [(3, 1, None, False), (2, 3, jnp.int8, True), (3, 2, jnp.float8_e4m3fn, False)]
+
+
+@pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')  # NumPy meeting the poison
+@pytest.mark.parametrize('splits,num_q,qdtype,layered', SPLIT_CASES)
+def test_pallas_gpu_context_split_matches_reference(splits, num_q, qdtype, layered):
+  from kernels.pallas_gpu import paged_attention_pallas_gpu  # pylint: disable=import-outside-toplevel
+  case, want = split_case(25, num_q, qdtype)
+  args, kwargs = split_args(case, layered)
+  got = paged_attention_pallas_gpu(*args, context_splits=splits, **kwargs)
+  assert_close(got, want, jnp.float32)
+
+
+def test_pallas_gpu_merge_splits_hand_computed():
+  """merge_splits on states computed here in numpy: three key ranges of very different score
+  scales (so each split's weight exp(m - max m) matters; dropping it is off by far more than
+  the tolerance) and a fourth that saw nothing (m = -inf); a row that saw nothing gets 0."""
+  from kernels.pallas_gpu import merge_splits  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(26)
+  s = rng.normal(size=(2, 12)) * np.array([1.0] * 4 + [8.0] * 4 + [0.1] * 4)  # [R, keys]
+  v = rng.normal(size=(12, 3))
+  ranges = [(0, 4), (4, 8), (8, 12), (12, 12)]
+  acc, m, l = [], [], []
+  for lo, hi in ranges:
+    part = s[:, lo:hi]
+    mx = part.max(axis=1) if hi > lo else np.full(2, -np.inf)
+    p = np.exp(part - mx[:, None]) if hi > lo else np.zeros((2, 0))
+    acc.append(p @ v[lo:hi]), m.append(mx), l.append(p.sum(axis=1))
+  f32 = lambda x: jnp.asarray(np.stack(x), jnp.float32)
+  got = merge_splits(f32(acc), f32(m), f32(l))
+  p = np.exp(s - s.max(axis=1, keepdims=True))
+  np.testing.assert_allclose(np.asarray(got), (p @ v) / p.sum(axis=1, keepdims=True),
+                             atol=1e-5, rtol=0)
+  nothing = merge_splits(jnp.zeros((2, 1, 3)), jnp.full((2, 1), -jnp.inf), jnp.zeros((2, 1)))
+  np.testing.assert_array_equal(np.asarray(nothing), np.zeros((1, 3)))
+
+
+def test_pallas_gpu_default_context_splits(monkeypatch):
+  """The heuristic: about two programs per SM (132 when the device reports none), at least
+  256 tokens a split, never more splits than blocks; explicit values < 1 raise."""
+  from kernels import pallas_gpu  # pylint: disable=import-outside-toplevel
+  default = pallas_gpu.default_context_splits
+  assert default(1, 8, 64, 16) == 4  # 33 wanted for 264 programs; 64 blocks of 16 = 4 x 256
+  assert default(1, 8, 1024, 16) == 33
+  assert default(4, 2, 1024, 16) == 33
+  assert default(64, 8, 1024, 16) == 1  # 512 programs already fill the GPU
+  assert default(1, 8, 8, 16) == 1  # 128 tokens: too short to split
+  assert default(1, 1, 4, 256) == 4  # one block is already 256 tokens
+  # A GPU device's core_count replaces the 132.
+  gpu = type('FakeGpu', (), dict(platform='gpu', core_count=16))()
+  monkeypatch.setattr(pallas_gpu.jax, 'devices', lambda: [gpu])
+  assert default(1, 8, 1024, 16) == 4
+  monkeypatch.undo()
+  # Explicit counts are trimmed so that no split is empty: 7 blocks in 5 splits are 4 of 2.
+  assert pallas_gpu.split_count(5, 1, 1, 7, 16) == 4
+  assert pallas_gpu.split_count(9, 1, 1, 7, 16) == 7
+  case = small_case(27, 16, 4, 64, 1, jnp.float32)
+  for bad in (0, -1):
+    with pytest.raises(ValueError, match=f'got {bad}'):
+      pallas_gpu.paged_attention_pallas_gpu(*split_args(case, False)[0], context_splits=bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real-hardware lowerings, checked from CPU
 # ------------------------------------------------------------------------------------------------
@@ -426,12 +519,14 @@ def test_pallas_tpu_lowers_for_tpu(quantized, splits):
   assert 'tpu_custom_call' in text
 
 
-@pytest.mark.parametrize('block_size,num_q', [(16, 1), (8, 1), (32, 8)])
-def test_pallas_gpu_lowers_for_cuda(block_size, num_q):
+@pytest.mark.parametrize('block_size,num_q,splits', [(16, 1, 1), (8, 1, 1), (32, 8, 1),
+                                                     (16, 1, 2), (8, 3, 3)])
+def test_pallas_gpu_lowers_for_cuda(block_size, num_q, splits):
   from kernels import pallas_gpu
   case = small_case(32, block_size, 4, 64, num_q, jnp.bfloat16)
   args, _ = _abstract(case)
-  fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False)
+  fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False,
+                         context_splits=splits)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
   assert 'triton' in text
 

@@ -19,7 +19,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from test_kernels import (  # pylint: disable=wrong-import-position
-    assert_close, make_case, poison, poison_quantized, quantize, run, run_quant)
+    SPLIT_CASES, assert_close, make_case, poison, poison_quantized, quantize, run, run_quant,
+    split_args, split_case)
 
 triton = pytest.importorskip('triton', reason='triton not installed (requirements-kernels.txt)')
 pytest.importorskip('torch', reason='the interpreter runs on torch CPU tensors')
@@ -107,6 +108,25 @@ def test_interpreted_kernel_reads_the_right_layer(qdtype):
     assert_close(launch(stacked(case, other, at=at), layer=at), want, jnp.float32)
 
 
+@pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')  # NumPy meeting the poison
+@pytest.mark.parametrize('splits,num_q,qdtype,layered', SPLIT_CASES)
+def test_interpreted_kernel_context_split_matches_reference(splits, num_q, qdtype, layered):
+  """Flash-decoding split (see test_kernels.split_case): short last split, splits that see
+  nothing, a padded prefill query, poisoned unowned blocks and slots, quantized and stacked."""
+  case, want = split_case(25, num_q, qdtype)
+  args, kwargs = split_args(case, layered)
+  scales = {n: kwargs.pop(n) for n in ('k_scales', 'v_scales') if n in kwargs}
+  pooled = dict(case, k_pages=args[1], v_pages=args[2], **scales)
+  assert_close(launch(pooled, context_splits=splits, **kwargs), want, jnp.float32)
+
+
+def test_interpreted_kernel_rejects_bad_context_splits():
+  case = make_case(60, num_kv_heads=2, group=2, head_dim=32, block_size=8, max_blocks=3)
+  for bad in (0, -2):
+    with pytest.raises(ValueError, match=f'got {bad}'):
+      launch(case, context_splits=bad)
+
+
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90():
   """Triton's own compiler (it ships ptxas) builds the kernel down to a cubin for the H200's
@@ -114,12 +134,13 @@ def test_kernel_compiles_for_sm90():
   In a subprocess: triton imported under TRITON_INTERPRET=1 cannot compile."""
   script = textwrap.dedent("""
       from kernels.triton import compile_ahead
-      for block_size, rows, dtype, pages in [(64, 16, 'fp32', None), (16, 32, 'bf16', None),
-                                             (8, 16, 'fp32', None), (16, 16, 'bf16', 'i8'),
-                                             (8, 16, 'fp32', 'i8'), (64, 16, 'bf16', 'fp8e4nv')]:
+      for block_size, rows, dtype, pages, splits in [
+          (64, 16, 'fp32', None, 1), (16, 32, 'bf16', None, 1), (8, 16, 'fp32', None, 1),
+          (16, 16, 'bf16', 'i8', 1), (8, 16, 'fp32', 'i8', 1), (64, 16, 'bf16', 'fp8e4nv', 1),
+          (16, 16, 'bf16', None, 2), (8, 16, 'fp32', 'i8', 3), (64, 16, 'bf16', 'fp8e4nv', 4)]:
         kernel = compile_ahead(90, rows=rows, block_size=block_size, dtype=dtype,
-                               page_dtype=pages)
-        assert kernel.asm['cubin'], (block_size, rows, dtype, pages)
+                               page_dtype=pages, splits=splits)
+        assert kernel.asm['cubin'], (block_size, rows, dtype, pages, splits)
       print('compiled')
   """)
   env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
@@ -160,4 +181,21 @@ def test_jax_triton_launch_quantized_layer_stacked(qdtype):
       case['q'], pool['k_pages'], pool['v_pages'], case['block_tables'], case['context_lens'],
       case['q_positions'], impl='triton', layer=layer, **scales))(jnp.int32(2))
   want = run_quant(case, 'reference') if qdtype is not None else run(case, 'reference')
+  assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != 'gpu', reason='jax_triton launches need a GPU')
+@pytest.mark.parametrize('splits,num_q,qdtype,layered', SPLIT_CASES + [(None, 1, None, True)])
+def test_jax_triton_launch_context_split(splits, num_q, qdtype, layered):
+  """The split kernel through jax_triton (partial outputs merged in JAX), under jit with a
+  traced layer; None: the default heuristic, which splits this batch of 6 on any GPU."""
+  pytest.importorskip('jax_triton')
+  if interpreted():
+    pytest.skip('TRITON_INTERPRET=1 in this process; run with TRITON_INTERPRET=0')
+  case, want = split_case(25, num_q, qdtype)
+  args, kwargs = split_args(case, layered)
+  layer = kwargs.pop('layer', None)
+  got = jax.jit(lambda args, kwargs, layer: kt.paged_attention_triton(
+      *args, layer=layer, context_splits=splits, **kwargs))(args, kwargs, layer)
   assert_close(got, want, jnp.float32)
