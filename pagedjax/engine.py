@@ -172,8 +172,6 @@ class Engine:
     self._beam_groups: List[beam_lib.BeamGroup] = []  # beam requests under way
     self.metrics = Metrics(block_size, num_blocks)
     self.stats = collections.Counter()
-    self.peak_blocks_used = 0
-    self.utilization_at_peak = 0.0
 
   @property
   def waiting(self) -> List[Sequence]:
@@ -290,7 +288,6 @@ class Engine:
         sampled += self._run(rows, kind, timing)
         self.stats[f'{kind}_steps'] += 1
     self.stats['steps'] += 1
-    self._track_memory()
 
     now = self.clock + self._timer() - start - timing['compile']
     done = []
@@ -477,22 +474,22 @@ class Engine:
     self.metrics.record_finish(done)
     return done
 
-  def _track_memory(self):
-    """Called after each iteration's writes, before frees. Utilization = cached tokens / slots of
-    allocated blocks; `utilization_at_peak` is taken at the last iteration holding the peak
-    block count (sequences there are as full as they get before one retires)."""
-    used = self.allocator.num_used
-    tokens = metrics_lib.slot_usage(self.running, self.block_size)['token_states']
-    util = tokens / max(used * self.block_size, 1)
-    self.stats['utilization_sum'] += util
-    if used >= self.peak_blocks_used:
-      self.peak_blocks_used = used
-      self.utilization_at_peak = util
+  # Memory figures come from the metrics' per-iteration record (taken after the iteration's
+  # writes, before frees: each sequence as full as it gets before one retires).
+  @property
+  def peak_blocks_used(self) -> int:
+    return self.metrics.peak_blocks_used()
+
+  @property
+  def utilization_at_peak(self) -> float:
+    """KV utilization (token states / slots of allocated blocks) at the last iteration that held
+    the peak block count."""
+    return self.metrics.utilization_at_peak()
 
   @property
   def mean_utilization(self) -> float:
     """Iteration-averaged KV utilization."""
-    return self.stats['utilization_sum'] / max(self.stats['steps'], 1)
+    return self.metrics.mean_utilization()
 
   # ---- driving ---------------------------------------------------------------------------
 

@@ -95,6 +95,27 @@ class Metrics:
   def _reserved(self) -> np.ndarray:
     return sum(np.asarray(self.steps[k], float) for k in WASTE[:3])
 
+  def _utilization(self) -> np.ndarray:
+    """Per iteration: token states / reserved slots (0 while nothing is reserved)."""
+    reserved = self._reserved()
+    return np.asarray(self.steps['token_states'], float) / np.maximum(reserved, 1)
+
+  def peak_blocks_used(self) -> int:
+    """Most blocks held by sequences in one iteration (reserved slots are whole blocks)."""
+    return int(self._reserved().max()) // self.block_size if self.steps.get('t') else 0
+
+  def utilization_at_peak(self) -> float:
+    """Utilization at the last iteration holding the peak block count."""
+    if not self.steps.get('t'):
+      return 0.0
+    reserved = self._reserved()
+    return float(self._utilization()[np.flatnonzero(reserved == reserved.max())[-1]])
+
+  def mean_utilization(self) -> float:
+    """Utilization averaged over iterations (the token-weighted figure is summary()'s
+    kv_utilization)."""
+    return float(self._utilization().mean()) if self.steps.get('t') else 0.0
+
   def summary(self) -> dict:
     s = {k: np.asarray(v, float) for k, v in self.steps.items()}
     n = len(s.get('t', []))

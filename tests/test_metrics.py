@@ -30,6 +30,21 @@ def test_one_request_slot_accounting(kind, reserved):
                                                           8 / reserved[2]])
 
 
+def test_peak_and_mean_utilization():
+  """Contiguous: 4 blocks held throughout, 6/7/8 of their 16 slots holding tokens; the peak is
+  the last iteration holding the most blocks. Paged: 2 blocks, 6/8, 7/8, 8/8."""
+  engine = fake_engine(block_size=4, num_blocks=9, max_seq_len=16, pool_kind='contiguous')
+  engine.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
+  assert engine.peak_blocks_used == 4
+  assert engine.utilization_at_peak == pytest.approx(8 / 16)
+  assert engine.mean_utilization == pytest.approx((6 + 7 + 8) / 3 / 16)
+  engine = fake_engine(block_size=4, num_blocks=9, max_seq_len=16, pool_kind='paged')
+  assert engine.peak_blocks_used == 0 and engine.mean_utilization == 0.0  # nothing ran yet
+  engine.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
+  assert engine.peak_blocks_used == 2 and engine.utilization_at_peak == 1.0
+  assert engine.mean_utilization == pytest.approx((6 / 8 + 7 / 8 + 1) / 3)
+
+
 def test_free_but_unusable_while_a_reservation_does_not_fit():
   # 6 usable blocks, reservations of 4: the second request waits while 2 blocks sit free.
   engine = fake_engine(block_size=4, num_blocks=7, max_seq_len=16, pool_kind='contiguous')
