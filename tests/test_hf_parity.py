@@ -95,9 +95,7 @@ def test_missing_tensor_is_named(tmp_path):
     weights.load_safetensors_dir(str(tmp_path))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get('PAGEDJAX_SLOW_TESTS'),
-                    reason='~30 s: loads SmolLM2 again via transformers; PAGEDJAX_SLOW_TESTS=1')
+@pytest.mark.slow  # ~20 s: transformers parses and dequantizes the GGUF itself
 def test_smollm2_logits_match_transformers_gguf_loader(smollm2):
   """Real weights: transformers' own GGUF dequantize + q/k unpermute gives the same logits."""
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
