@@ -519,6 +519,19 @@ def test_pallas_tpu_lowers_for_tpu(quantized, splits):
   assert 'tpu_custom_call' in text
 
 
+def _lower_for_cuda(fn, args, kwargs=None):
+  """StableHLO text of fn lowered for CUDA from this CPU. From jax 0.11 the Triton lowering asks
+  for the target GPU (its compute capability) and, with no GPU present, takes it from an abstract
+  mesh's device: name the H200 the GPU checks run on."""
+  lower = lambda: jax.jit(fn).trace(*args, **(kwargs or {})).lower(lowering_platforms=('cuda',))
+  if not hasattr(jax.sharding, 'AbstractDevice'):
+    return lower().as_text()
+  device = jax.sharding.AbstractDevice(device_kind='NVIDIA H200', num_cores=132, platform='gpu')
+  mesh = jax.sharding.AbstractMesh((1,), ('x',), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    return lower().as_text()
+
+
 @pytest.mark.parametrize('block_size,num_q,splits', [(16, 1, 1), (8, 1, 1), (32, 8, 1),
                                                      (16, 1, 2), (8, 3, 3)])
 def test_pallas_gpu_lowers_for_cuda(block_size, num_q, splits):
@@ -527,7 +540,7 @@ def test_pallas_gpu_lowers_for_cuda(block_size, num_q, splits):
   args, _ = _abstract(case)
   fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False,
                          context_splits=splits)
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=('cuda',)).as_text()
+  text = _lower_for_cuda(fn, args)
   assert 'triton' in text
 
 
@@ -543,7 +556,7 @@ def test_pallas_gpu_lowers_for_cuda_quantized_layer_stacked(qdtype, block_size):
   kwargs = dict(k_scales=stack(case['k_scales']), v_scales=stack(case['v_scales']),
                 layer=jax.ShapeDtypeStruct((), jnp.int32))
   fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False)
-  text = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=('cuda',)).as_text()
+  text = _lower_for_cuda(fn, args, kwargs)
   assert 'triton' in text
 
 
