@@ -100,6 +100,18 @@ def stack_one_layer(*arrays):
   return tuple(None if x is None else x[None] for x in arrays)
 
 
+def merge_split_states(acc, m, l):
+  """Online-softmax states of disjoint key ranges (flash-decoding splits) -> the normalised
+  output. acc [..., S, R, D] unnormalised, m (running max) and l (sum) [..., S, R], float32;
+  returns [..., R, D]. A split that saw nothing (m = -inf) weighs exp(-inf) = 0; a row that saw
+  nothing anywhere gets 0. Every path with a context split merges through this."""
+  m_max = jnp.max(m, axis=-2, keepdims=True)
+  weight = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [..., S, R]
+  total = jnp.sum(weight * l, axis=-2)
+  out = jnp.sum(weight[..., None] * acc, axis=-3)
+  return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
 def _layer_view(x):
   """Shape/dtype of one layer of a layer-stacked array (for validation only, no data)."""
   return None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)

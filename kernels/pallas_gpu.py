@@ -25,7 +25,7 @@ Context splits (flash-decoding). A program is a whole sequence's walk; decode of
 sequences gives too few programs to fill the GPU (an H100/H200 has 132 SMs; B * Hkv = 8 leaves
 most of them idle while 8 of them read the whole cache). With S > 1, program c walks logical
 blocks [c * per, min((c + 1) * per, count)), per = ceil(MB / S), and writes its unnormalised
-float32 state (acc [Rp, D], m [Rp], l [Rp]); `merge_splits` (plain XLA, after the kernel)
+float32 state (acc [Rp, D], m [Rp], l [Rp]); `kernels.merge_split_states` (plain XLA, after the kernel)
 rescales each split by exp(m - max m) and normalises once; a split that saw nothing has m = -inf
 and weighs 0. With S == 1 the kernel writes the normalised output directly (no extra traffic).
 Default (`default_context_splits`): S = clamp(ceil(2 * SMs / (B * Hkv)), 1,
@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from kernels import check_inputs, stack_one_layer
+from kernels import check_inputs, merge_split_states, stack_one_layer
 
 _MIN_DOT = 16  # Triton's dot needs every dimension >= 16
 
@@ -132,17 +132,6 @@ def split_count(context_splits, batch, num_kv_heads, max_blocks, block_size):
   return -(-max_blocks // per)
 
 
-def merge_splits(acc, m, l):
-  """Softmax states of disjoint key ranges, acc [..., S, R, D], m and l [..., S, R] (float32)
-  -> normalised [..., R, D]. A split that saw nothing (m = -inf) weighs exp(-inf) = 0; a row
-  that saw nothing anywhere gets 0."""
-  m_max = jnp.max(m, axis=-2, keepdims=True)
-  weight = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # [..., S, R]
-  total = jnp.sum(weight * l, axis=-2)
-  out = jnp.sum(weight[..., None] * acc, axis=-3)
-  return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'num_warps', 'num_stages',
                                              'splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
@@ -171,7 +160,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   operands = [qg, row_seen, block_tables, context_lens, num_blocks.astype(jnp.int32), layer,
               k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
   # One split writes the normalised output; several write their unnormalised float32 state
-  # (acc, m, l) for `merge_splits` (float32 so the merge loses nothing).
+  # (acc, m, l) for `merge_split_states` (float32 so the merge loses nothing).
   part = lambda shape: pl.BlockSpec((None, None, None) + shape,
                                     lambda b, h, c: (b, h, c) + (0,) * len(shape))
   part_shape = lambda shape, dtype: jax.ShapeDtypeStruct((batch, num_kv_heads, splits) + shape,
@@ -197,7 +186,7 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
   )(*operands)
-  out = out[:, :, 0] if splits == 1 else merge_splits(*out).astype(q.dtype)
+  out = out[:, :, 0] if splits == 1 else merge_split_states(*out).astype(q.dtype)
   out = out[:, :, :rows].reshape(batch, num_kv_heads, num_q, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
 

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels import check_inputs, stack_one_layer
+from kernels import check_inputs, merge_split_states, stack_one_layer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,17 +141,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
           dimension_semantics=('parallel', 'parallel', 'parallel', 'arbitrary')),
       interpret=pltpu.InterpretParams() if interpret else False,
   )(block_tables, num_blocks.astype(jnp.int32), context_lens, layer, *operands)
-  out = out[:, :, 0] if splits == 1 else _merge_splits(*out).astype(q.dtype)
+  if splits == 1:
+    out = out[:, :, 0]
+  else:
+    acc, m, l = out
+    out = merge_split_states(acc, m[..., 0], l[..., 0]).astype(q.dtype)
   out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
   return out.reshape(batch, num_q, num_heads, head_dim)
-
-
-def _merge_splits(acc, m, l):
-  """Softmax states of disjoint key ranges [B, Hkv, S, R, *] -> normalised [B, Hkv, R, D]."""
-  m_max = jnp.max(m, axis=2, keepdims=True)
-  weight = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # 0 for a split that saw nothing
-  total = jnp.sum(weight * l, axis=2)
-  return jnp.sum(weight * acc, axis=2) / jnp.where(total > 0, total, 1.0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Context splits (flash-decoding), as in kernels/pallas_gpu.py and with its heuris
 (`default_context_splits`: about two programs per SM, at least ~256 tokens a split, from shapes
 only; the module docstring there says why): with S > 1 program c walks logical blocks
 [c * per, min((c + 1) * per, count)), per = ceil(MB / S), and stores its unnormalised float32
-state (acc, m, l); `merge_splits` (JAX, after the launch; launch_torch uses it too) combines
+state (acc, m, l); `kernels.merge_split_states` (JAX, after the launch; launch_torch uses it too) combines
 them, a split that saw nothing weighing 0. With S == 1 the kernel stores the normalised output.
 
 The pool is read layer-stacked, [L, N, Hkv, bs, D]: the model's `layer` (a traced int) arrives
@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import check_inputs, stack_one_layer
-from kernels.pallas_gpu import merge_splits, split_count
+from kernels import merge_split_states
+from kernels.pallas_gpu import split_count
 
 try:
   import triton
@@ -137,7 +138,7 @@ def out_shapes(qg_shape, splits):
 
 def finish(out, m, l, splits, dtype):
   """Kernel outputs (see out_shapes) -> normalised [B, Hkv, Rp, D] in `dtype`."""
-  return out[:, :, 0] if splits == 1 else merge_splits(out, m, l).astype(dtype)
+  return out[:, :, 0] if splits == 1 else merge_split_states(out, m, l).astype(dtype)
 
 
 def unprepare(out, num_q, num_heads):
@@ -324,7 +325,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, layer_ptr, tabl
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + part * ROWS * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :],
              out.to(o_ptr.dtype.element_ty))
-  else:  # the unnormalised float32 state, for merge_splits
+  else:  # the unnormalised float32 state, for merge_split_states
     tl.store(o_ptr + part * ROWS * HEAD_DIM + r[:, None] * HEAD_DIM + d[None, :], acc)
     tl.store(m_ptr + part * ROWS + r, m)
     tl.store(l_ptr + part * ROWS + r, l)

@@ -23,12 +23,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import check_inputs, stack_one_layer
+from kernels import check_inputs, merge_split_states, stack_one_layer
 
 # Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
 # than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.
 _DOT_ROWS = 16
-# Batch slices processed by independent loops (the machine this was tuned on has 2 cores).
+# Independent loops over slices of the batch (or of the context, for fewer sequences).
 _SEQ_SPLITS = 2
 
 
@@ -58,11 +58,13 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_posit
 @functools.partial(jax.jit, static_argnames=('scale', 'context_splits'))
 def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
                      v_scales, layer, scale, context_splits=None):
-  """Independent loops run concurrently on XLA CPU (one per core), where a single loop's gathers
-  run on one core. With enough sequences the loops take slices of the batch (each stopping at
-  its own longest context); with fewer sequences than loops (long-context decode of one or two
-  sequences) they take slices of the context instead, flash-decoding style, and their partial
-  softmax states are merged. `context_splits` forces the latter (tests)."""
+  """The work runs as independent loops. With enough sequences they take slices of the batch,
+  each stopping at its own longest context; with fewer sequences than loops (long-context decode
+  of one or two sequences) they take slices of the context instead, flash-decoding style, and
+  their partial softmax states are merged (kernels.merge_split_states). `context_splits` forces
+  the latter (tests). Measured on the 2-core CPU with nothing else running: XLA already spreads
+  one loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster
+  than one (within noise), so the split costs nothing and keeps each loop's trip count tight."""
   batch = q.shape[0]
   args = (k_pages, v_pages, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
@@ -74,24 +76,19 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   splits = context_splits or _SEQ_SPLITS
   parts = [_attend(q, block_tables, context_lens, q_positions, *args, part=(i, splits))
            for i in range(splits)]
-  return _finish(q, *_merge(parts))
-
-
-def _merge(parts):
-  """Combine partial online-softmax states (m, l, acc) of disjoint key ranges."""
-  m = functools.reduce(jnp.maximum, [p[0] for p in parts])
-  m_shift = jnp.where(m == -jnp.inf, 0.0, m)
-  weights = [jnp.exp(p[0] - m_shift) for p in parts]  # 0 for a part that saw nothing
-  l = sum(w * p[1] for w, p in zip(weights, parts))
-  acc = sum(w[..., None] * p[2] for w, p in zip(weights, parts))
-  return l, acc
+  m, l, acc = (jnp.stack(x, axis=2) for x in zip(*parts))  # [B, Hkv, S, R(, D)]
+  return _layout(q, merge_split_states(acc, m, l))
 
 
 def _finish(q, l, acc):
-  """Normalise and lay the [B, Hkv, R, D] rows back out as [B, T, Hq, D]."""
+  """Normalise one loop's state (a row that saw nothing gets 0) and lay it out."""
+  return _layout(q, acc / jnp.where(l > 0, l, 1.0)[..., None])
+
+
+def _layout(q, out):
+  """[B, Hkv, R, D] rows, ordered (t, g), back out as [B, T, Hq, D] in q's dtype."""
   batch, num_q, num_heads, head_dim = q.shape
-  num_kv_heads = acc.shape[1]
-  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  num_kv_heads = out.shape[1]
   out = out.reshape(batch, num_kv_heads, num_q, num_heads // num_kv_heads, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
 

@@ -446,11 +446,10 @@ def test_pallas_gpu_context_split_matches_reference(splits, num_q, qdtype, layer
   assert_close(got, want, jnp.float32)
 
 
-def test_pallas_gpu_merge_splits_hand_computed():
-  """merge_splits on states computed here in numpy: three key ranges of very different score
+def test_merge_split_states_hand_computed():
+  """merge_split_states on states computed here in numpy: three key ranges of very different score
   scales (so each split's weight exp(m - max m) matters; dropping it is off by far more than
   the tolerance) and a fourth that saw nothing (m = -inf); a row that saw nothing gets 0."""
-  from kernels.pallas_gpu import merge_splits  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(26)
   s = rng.normal(size=(2, 12)) * np.array([1.0] * 4 + [8.0] * 4 + [0.1] * 4)  # [R, keys]
   v = rng.normal(size=(12, 3))
@@ -462,11 +461,11 @@ def test_pallas_gpu_merge_splits_hand_computed():
     p = np.exp(part - mx[:, None]) if hi > lo else np.zeros((2, 0))
     acc.append(p @ v[lo:hi]), m.append(mx), l.append(p.sum(axis=1))
   f32 = lambda x: jnp.asarray(np.stack(x), jnp.float32)
-  got = merge_splits(f32(acc), f32(m), f32(l))
+  got = kernels.merge_split_states(f32(acc), f32(m), f32(l))
   p = np.exp(s - s.max(axis=1, keepdims=True))
   np.testing.assert_allclose(np.asarray(got), (p @ v) / p.sum(axis=1, keepdims=True),
                              atol=1e-5, rtol=0)
-  nothing = merge_splits(jnp.zeros((2, 1, 3)), jnp.full((2, 1), -jnp.inf), jnp.zeros((2, 1)))
+  nothing = kernels.merge_split_states(jnp.zeros((2, 1, 3)), jnp.full((2, 1), -jnp.inf), jnp.zeros((2, 1)))
   np.testing.assert_array_equal(np.asarray(nothing), np.zeros((1, 3)))
 
 
