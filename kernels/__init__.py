@@ -94,10 +94,18 @@ def check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions,
     raise ValueError(f'{k_pages.dtype} pages need k_scales and v_scales')
 
 
-def stack_one_layer(*arrays):
-  """One layer's pages/scales as a layer-stacked [1, ...] view (None stays None), for the paths
-  that index a stacked pool with `layer`."""
-  return tuple(None if x is None else x[None] for x in arrays)
+def as_layer_stacked(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+                     v_scales, layer):
+  """What every kernel wrapper starts with: -> (k_pages, v_pages, k_scales, v_scales, layer)
+  layer-stacked, after checking the shape contract. Given `layer`, the pages already are
+  stacked; without, one layer's pages are viewed as a stack of one (None scales stay None)."""
+  if layer is None:
+    stack = lambda x: None if x is None else x[None]
+    k_pages, v_pages, k_scales, v_scales = map(stack, (k_pages, v_pages, k_scales, v_scales))
+    layer = 0
+  check_inputs(q, _layer_view(k_pages), _layer_view(v_pages), block_tables, context_lens,
+               q_positions, _layer_view(k_scales), _layer_view(v_scales))
+  return k_pages, v_pages, k_scales, v_scales, layer
 
 
 def merge_split_states(acc, m, l):
@@ -133,18 +141,17 @@ def paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions
   and attention reads that layer in place: inside the model's layer scan, slicing the layer out
   first would copy it, every layer, every step.
   """
-  per_layer = (lambda x: _layer_view(x)) if layer is not None else (lambda x: x)
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   if impl == 'auto':
     impl = best_impl()
-    _, _, block_size, head_dim = per_layer(k_pages).shape
+    block_size, head_dim = k_pages.shape[-2:]
     pow2 = lambda n: n & (n - 1) == 0
     if impl == 'pallas_gpu' and not (pow2(block_size) and pow2(head_dim)):
       impl = 'xla'  # Triton block shapes are powers of two (the tiny test models' are not)
     if (impl == 'pallas_gpu' and jnp.dtype(k_pages.dtype) == jnp.float8_e4m3fn
         and not gpu_converts_fp8()):
       impl = 'xla'  # Triton converts float8_e4m3fn only from sm_89 (Ada, Hopper) on
-  check_inputs(q, per_layer(k_pages), per_layer(v_pages), block_tables, context_lens,
-               q_positions, per_layer(k_scales), per_layer(v_scales))
   if impl == 'reference':
     return _reference(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
                       v_scales, layer, scale=scale)

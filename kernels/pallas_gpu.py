@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from kernels import check_inputs, merge_split_states, stack_one_layer
+from kernels import as_layer_stacked, merge_split_states
 
 _MIN_DOT = 16  # Triton's dot needs every dimension >= 16
 
@@ -79,11 +79,8 @@ def paged_attention_pallas_gpu(q, k_pages, v_pages, block_tables, context_lens, 
   context_splits: split each sequence's blocks over that many programs (flash-decoding);
   default: `default_context_splits` (see the module docstring).
   """
-  if layer is None:  # one layer's pages: check them, then view them as a stack of one
-    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                 v_scales)
-    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
-        k_pages, v_pages, k_scales, v_scales)
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   block_size, head_dim = k_pages.shape[-2], k_pages.shape[-1]
   if not (_pow2(block_size) and _pow2(head_dim)):
     raise ValueError(f'pallas_gpu needs power-of-two block_size and head_dim (Triton block '

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels import check_inputs, merge_split_states, stack_one_layer
+from kernels import as_layer_stacked, merge_split_states
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,11 +47,8 @@ def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, 
   (flash-decoding); default: 2 when there are fewer (sequence, KV head) programs than the two
   TensorCores of a megacore chip, else 1.
   """
-  if layer is None:  # one layer's pages: check them, then view them as a stack of one
-    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                 v_scales)
-    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
-        k_pages, v_pages, k_scales, v_scales)
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if interpret is None:
     interpret = jax.default_backend() != 'tpu'

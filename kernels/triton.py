@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import check_inputs, stack_one_layer
-from kernels import merge_split_states
+from kernels import as_layer_stacked, merge_split_states
 from kernels.pallas_gpu import split_count
 
 try:
@@ -78,11 +77,8 @@ def paged_attention_triton(q, k_pages, v_pages, block_tables, context_lens, q_po
   triton and jax_triton. layer: index into layer-stacked pages [L, N, ...] (and scales),
   read in place. context_splits: split each sequence's blocks over that many programs
   (flash-decoding); default: kernels.pallas_gpu.default_context_splits."""
-  if layer is None:  # one layer's pages: check them, then view them as a stack of one
-    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                 v_scales)
-    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
-        k_pages, v_pages, k_scales, v_scales)
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   _check_supported(k_pages)
   try:
     import jax_triton  # pylint: disable=import-outside-toplevel
@@ -191,11 +187,8 @@ def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *
   Returns a numpy array [B, T, Hq, D] (float32 for float32 pages, else q's dtype as float32).
   """
   import torch  # pylint: disable=import-outside-toplevel
-  stacked = (lambda x: x) if layer is not None else (lambda x: None if x is None else x[None])
-  k_pages, v_pages, k_scales, v_scales = map(stacked, (k_pages, v_pages, k_scales, v_scales))
-  one_layer = lambda x: None if x is None else x[0]  # for validation: shapes only matter
-  check_inputs(q, one_layer(k_pages), one_layer(v_pages), block_tables, context_lens,
-               q_positions, one_layer(k_scales), one_layer(v_scales))
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   _check_supported(k_pages)
   batch, num_q, num_heads, head_dim = q.shape
   _, num_pages, num_kv_heads, block_size, _ = k_pages.shape
@@ -207,7 +200,7 @@ def launch_torch(q, k_pages, v_pages, block_tables, context_lens, q_positions, *
   quantized = k_scales is not None
   if not quantized:
     k_scales = v_scales = np.zeros((1,), np.float32)
-  layer = np.full((1,), 0 if layer is None else int(layer), np.int32)
+  layer = np.full((1,), int(layer), np.int32)
 
   def to_torch(x):
     x = jnp.asarray(x)

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import check_inputs, merge_split_states, stack_one_layer
+from kernels import as_layer_stacked, merge_split_states
 
 # Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
 # than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.
@@ -42,11 +42,8 @@ def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_posit
   context_splits: split every sequence's context over that many loops (default: only when
   there are fewer sequences than loops). layer: index into layer-stacked pages [L, N, ...]
   (and scales), read in place block by block."""
-  if layer is None:  # one layer's pages: check them, then view them as a stack of one
-    check_inputs(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
-                 v_scales)
-    layer, (k_pages, v_pages, k_scales, v_scales) = 0, stack_one_layer(
-        k_pages, v_pages, k_scales, v_scales)
+  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
+      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
                           k_scales, v_scales, layer, scale, context_splits)
