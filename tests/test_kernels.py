@@ -297,15 +297,19 @@ def small_case(seed, block_size, group, head_dim, num_q, dtype):
                    max_blocks=3, num_q=num_q, dtype=dtype, lengths=lengths)
 
 
+@pytest.mark.parametrize('impl,seed', [('pallas_tpu', 11), ('pallas_gpu', 21)])
 @pytest.mark.parametrize('block_size,group,head_dim,num_q,dtype', PALLAS_CASES)
-def test_pallas_tpu_matches_reference(block_size, group, head_dim, num_q, dtype):
-  case = small_case(11, block_size, group, head_dim, num_q, dtype)
-  assert_close(run(case, 'pallas_tpu'), run(case, 'reference'), dtype)
+def test_pallas_matches_reference(impl, seed, block_size, group, head_dim, num_q, dtype):
+  case = small_case(seed, block_size, group, head_dim, num_q, dtype)
+  assert_close(run(case, impl), run(case, 'reference'), dtype)
 
 
-def test_pallas_tpu_isolation():
-  case = small_case(12, 8, 4, 64, 1, jnp.float32)
-  np.testing.assert_allclose(np.asarray(run(poison(case, np.nan), 'pallas_tpu')),
+# (impl, seed, block_size, num_q, poison): a decode case and a prefill chunk, NaN and inf.
+@pytest.mark.parametrize('impl,seed,block_size,num_q,value', [
+    ('pallas_tpu', 12, 8, 1, np.nan), ('pallas_gpu', 22, 16, 2, np.inf)])
+def test_pallas_isolation(impl, seed, block_size, num_q, value):
+  case = small_case(seed, block_size, 4, 64, num_q, jnp.float32)
+  np.testing.assert_allclose(np.asarray(run(poison(case, value), impl)),
                              np.asarray(run(case, 'reference')), atol=2e-5, rtol=0)
 
 
@@ -356,18 +360,6 @@ def test_pallas_tpu_matches_jax_tpu_paged_attention_op():
 # ------------------------------------------------------------------------------------------------
 # pallas_gpu (interpret=True on CPU)
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize('block_size,group,head_dim,num_q,dtype', PALLAS_CASES)
-def test_pallas_gpu_matches_reference(block_size, group, head_dim, num_q, dtype):
-  case = small_case(21, block_size, group, head_dim, num_q, dtype)
-  assert_close(run(case, 'pallas_gpu'), run(case, 'reference'), dtype)
-
-
-def test_pallas_gpu_isolation():
-  case = small_case(22, 16, 4, 64, 2, jnp.float32)
-  np.testing.assert_allclose(np.asarray(run(poison(case, np.inf), 'pallas_gpu')),
-                             np.asarray(run(case, 'reference')), atol=2e-5, rtol=0)
-
-
 def poison_quantized(case, value):
   """`poison` for a quantized case: `value` in the scales of the null block, unowned blocks and
   past-length slots, and the pages there as bad as their dtype allows (int8 holds no NaN/inf:
