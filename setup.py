@@ -8,7 +8,7 @@ setup(
     name='pagedjax',
     version='0.1.0',
     description='A readable JAX decode loop with a paged KV cache, for ablations',
-    packages=['pagedjax', 'kernels'],
+    packages=['pagedjax', 'pagedjax.host', 'pagedjax.device', 'pagedjax.model', 'kernels'],
     python_requires='>=3.11',
     install_requires=[line.strip() for line in open('requirements.txt')
                       if line.strip() and not line.startswith('#')],

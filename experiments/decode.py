@@ -24,8 +24,9 @@ from absl import flags
 import jax
 from ml_collections import config_flags
 
-from pagedjax import factory, run_info, sharding, sizing
-from pagedjax.config import sampling_params, validate_config
+from pagedjax import factory, run_info, sizing
+from pagedjax.model import sharding
+from pagedjax.config import Config
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for summary.json.', required=True)
@@ -79,8 +80,9 @@ def mesh_summary(engine, model_cfg, tp: int) -> dict:
 
 def main(argv):
   del argv
-  config = validate_config(_CONFIG.value)
-  tp = sharding.mesh_model(config)
+  config = _CONFIG.value
+  typed = Config.from_configdict(config)  # validated before anything loads
+  tp = typed.mesh.model
   # Both before anything starts the JAX backend.
   if _DISTRIBUTED.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
@@ -91,7 +93,7 @@ def main(argv):
   load_seconds = time.perf_counter() - t0
   engine = factory.make_engine(config, model_cfg, params, tokenizer)
   del params  # on a mesh the engine holds sharded copies; let the whole ones on device 0 go
-  sampling = sampling_params(config)
+  sampling = typed.sampling
 
   _, first_seconds, _ = run_pass(engine, config.prompts, sampling)
   compilations_first = engine.num_compilations
@@ -101,12 +103,12 @@ def main(argv):
   for c in completions:
     prompt = tokenizer.decode(c.prompt_ids)
     print(f'[{c.request_id}] {prompt!r} -> {c.text!r}  ({c.finish_reason})')
-  util = engine.utilization_at_peak
+  util = engine.metrics.utilization_at_peak()
   per_device = mesh_summary(engine, model_cfg, tp)
   rows = [('model', config.model.source), ('requests', len(completions)),
           ('generated tokens', generated), ('tokens/s (warm)', f'{generated / seconds:.1f}'),
           ('first pass s (compiles)', f'{first_seconds:.1f}'),
-          ('KV blocks total', config.pool.num_blocks), ('KV blocks peak', engine.peak_blocks_used),
+          ('KV blocks total', config.pool.num_blocks), ('KV blocks peak', engine.metrics.peak_blocks_used()),
           ('KV utilization', f'{util:.1%}'), ('compilations', engine.num_compilations),
           ('mesh.model', tp),
           ('KV bytes/token/device', per_device['kv_bytes_per_token_per_device']),
@@ -125,9 +127,9 @@ def main(argv):
       'first_pass_seconds': first_seconds,
       'load_seconds': load_seconds,
       'kv_blocks_total': config.pool.num_blocks,
-      'kv_blocks_peak_used': engine.peak_blocks_used,
+      'kv_blocks_peak_used': engine.metrics.peak_blocks_used(),
       'kv_utilization': util,
-      'kv_utilization_mean': engine.mean_utilization,
+      'kv_utilization_mean': engine.metrics.mean_utilization(),
       # The whole pool, summed over a mesh's devices (KV-head replicas included).
       'kv_bytes_per_token': engine.kv_bytes_per_token,
       'kv_pool_bytes': engine.pool.nbytes,

@@ -5,18 +5,18 @@ bigger outputs (timelines) into workdir, the point's own directory. Sweep config
 with `config.job`: a key of JOBS, or 'package.module:function' for jobs kept elsewhere.
 
   trace   replay a synthetic trace (config.trace, pagedjax.workloads) through one engine built
-          from the config; the engine's serving metrics (pagedjax.metrics) plus trace figures.
+          from the config; the engine's serving metrics (pagedjax.host.metrics) plus trace figures.
 """
 import importlib
 import json
 import os
 
-from pagedjax import factory, sharding, workloads
-from pagedjax.config import random_model_config
+from pagedjax import factory, workloads
+from pagedjax.config import Config
 from pagedjax.engine import RequestError
-from pagedjax.model import init_params
-from pagedjax.sampling import SamplingParams
-from pagedjax.steps import CompiledStep
+from pagedjax.model.llama import init_params
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.device.step import CompiledStep
 
 
 _MODELS = {}  # (model config, attention impl) -> (ModelConfig, params, encode, CompiledStep)
@@ -29,7 +29,7 @@ def _model(config):
   if key not in _MODELS:
     if config.model.source == 'random':
       # No tokenizer needed: prompts are the UTF-8 bytes of the real text.
-      cfg = random_model_config(config)
+      cfg = Config.from_configdict(config).model.random_model_config()
       if cfg.vocab_size < 256:
         raise ValueError(f'config.model.random.vocab_size={cfg.vocab_size} is not allowed for '
                          'trace jobs: at least 256 (prompts are UTF-8 bytes)')
@@ -46,7 +46,7 @@ def make_engine(config) -> tuple:
   """(engine, encode) for a validated config, built by the factory like every other run (pool
   kind, scheduler, KV storage, mesh), sharing the model's compiled step on one device."""
   cfg, params, encode, step = _model(config)
-  shared = {'step_fn': step} if sharding.mesh_model(config) == 1 else {}
+  shared = {'step_fn': step} if config.mesh.model == 1 else {}
   return factory.make_engine(config, cfg, params, None, **shared), encode
 
 

@@ -14,8 +14,10 @@ import os
 
 import numpy as np
 
-from pagedjax import factory, pool as pool_lib, quant, text_data
-from pagedjax.sampling import SamplingParams
+from pagedjax import factory, text_data
+from pagedjax.device import pool as pool_lib
+from pagedjax.device import kv_quant as quant
+from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.scoring import ChunkScorer, score
 
 _CACHE = {}  # one model per process: every point of a sweep shares it and its compiled steps
@@ -54,11 +56,11 @@ def capacity(model_cfg, kv_quant, block_size: int, budget_bytes: int, seq_len: i
           'max_concurrent_sequences': budget_bytes // per_sequence}
 
 
-def _decode_step_seconds(config, model_cfg, params, tokenizer, kv_quant) -> float:
+def _decode_step_seconds(config, model_cfg, params, tokenizer) -> float:
   """Median time per output token of a batch decode (prompts of eval.decode_prompt_len tokens):
   with every request decoding together, that is the decode step time. Engine clock, so
   compilation is excluded; two passes, the first warms every shape."""
-  engine = factory.make_engine(config, model_cfg, params, tokenizer, kv_quant=kv_quant)
+  engine = factory.make_engine(config, model_cfg, params, tokenizer)
   ev = config.eval
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, model_cfg.vocab_size, ev.decode_prompt_len).tolist()
@@ -72,7 +74,7 @@ def _decode_step_seconds(config, model_cfg, params, tokenizer, kv_quant) -> floa
 def kv_quality(config, workdir: str) -> dict:
   model_cfg, params, tokenizer = _model(config)
   ev = config.eval
-  kv_quant = quant.from_config(config.pool, model_cfg.dtype)
+  kv_quant = factory.typed(config).pool.kv_quant(model_cfg.dtype)
   reference = quant.KVQuantConfig(ev.reference_kv_dtype)
   longest = max(ev.contexts)
   sequences = _texts(tokenizer, ev.num_sequences, longest + 1)
@@ -93,7 +95,7 @@ def kv_quality(config, workdir: str) -> dict:
   by_position = result.error_by_position()
   row['logit_error_first_bucket'], row['logit_error_last_bucket'] = (
       list(by_position.values())[0], list(by_position.values())[-1])
-  step = _decode_step_seconds(config, model_cfg, params, tokenizer, kv_quant)
+  step = _decode_step_seconds(config, model_cfg, params, tokenizer)
   row['decode_tokens_per_second'] = ev.decode_batch / step
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'logit_error_by_position.json'), 'w') as f:
@@ -104,12 +106,12 @@ def kv_quality(config, workdir: str) -> dict:
 def gqa(config, workdir: str) -> dict:
   del workdir
   model_cfg, params, tokenizer = _model(config)
-  kv_quant = quant.from_config(config.pool, model_cfg.dtype)
+  kv_quant = factory.typed(config).pool.kv_quant(model_cfg.dtype)
   ev = config.eval
   row = capacity(model_cfg, kv_quant, config.pool.block_size, ev.pool_budget_mb * 2**20,
                  max(ev.contexts))
   row['num_kv_heads'] = model_cfg.num_kv_heads
-  step = _decode_step_seconds(config, model_cfg, params, tokenizer, kv_quant)
+  step = _decode_step_seconds(config, model_cfg, params, tokenizer)
   row['decode_step_ms'] = 1000 * step
   row['decode_tokens_per_second'] = ev.decode_batch / step
   return row

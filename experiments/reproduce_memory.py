@@ -18,7 +18,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import sweep
-from pagedjax import metrics, run_info
+from pagedjax import run_info
+from pagedjax.host import metrics
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/reproduce_memory.py',
                                           'Config with one contiguous and one paged point.',

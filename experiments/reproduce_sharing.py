@@ -33,7 +33,7 @@ from experiments import jobs
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
 from pagedjax.engine import RequestError
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.sampling_params import SamplingParams
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/reproduce_sharing.py',
                                           'Sharing study config.', lock_config=False)

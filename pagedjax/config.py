@@ -1,30 +1,95 @@
-"""Config validation: reject bad experiment configs at load time, naming field, value and what
-is allowed, before any weights are loaded or memory is reserved."""
+"""The typed config: one frozen dataclass per section, each default written once, here.
+
+An experiment config file (configs/*.py) returns an ml_collections ConfigDict, which absl's
+`config_flags` lets the command line override field by field. `Config.from_configdict` turns the
+sections the engine reads into these dataclasses and validates them, before any weights load or
+memory is reserved; each section checks its own fields and raises ConfigError naming field, value
+and what is allowed. `Config().to_configdict()` is how configs/default.py starts, so the ConfigDict
+and the dataclasses cannot disagree on a default. Library users build `Config(...)` directly:
+
+  Config(pool=PoolConfig(block_size=32), prefix_cache=PrefixCacheConfig(enabled=True))
+
+Sections other than these (trace, sweep, prompts, ...) belong to the experiments that read them.
+"""
+import dataclasses
 import math
+from typing import Any, Dict
+
+import ml_collections
 
 from kernels import IMPLS
-from pagedjax.block_manager import KINDS as POOL_KINDS
-from pagedjax import prefix_cache, quant, sharding
-from pagedjax.model import DTYPES, ModelConfig
-from pagedjax.sampling import SamplingParams
-from pagedjax.scheduler import PREEMPTION_POLICIES
+from pagedjax.device import kv_quant
+from pagedjax.host.block_manager import KINDS as POOL_KINDS
+from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
+from pagedjax.host.prefix_cache import EVICTION_POLICIES
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.scheduler import PREEMPTION_POLICIES
+from pagedjax.model import sharding
+from pagedjax.model.llama import DTYPES, ModelConfig
 from pagedjax.workloads import DATASETS
 
 MODEL_SOURCES = ('smollm2', 'gguf', 'safetensors', 'random')
-KV_DTYPES = ('auto',) + quant.KV_DTYPES
+KV_DTYPES = ('auto',) + kv_quant.KV_DTYPES
 ATTENTION_IMPLS = ('auto',) + tuple(IMPLS)
+# SamplingParams fields an experiment config sets; the others (n, beams, salts) are per request.
+SAMPLING_FIELDS = ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed')
 
 
 class ConfigError(ValueError):
-  pass
+  """A config field with a value that is not allowed; the message names both and the choices."""
 
 
 def _fail(field, value, allowed):
   raise ConfigError(f'config.{field}={value!r} is not allowed: {allowed}')
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_power_of_two(n) -> bool:
-  return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+  return _is_int(n) and n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomModelConfig:
+  """The shape of a random Llama (model.source='random'): tests and quick runs."""
+  vocab_size: int = 49152
+  d_model: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  ffn_dim: int = 128
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  source: str = 'smollm2'  # smollm2 (shipped GGUF) | gguf | safetensors | random
+  path: str = ''  # file (gguf) or directory (safetensors)
+  dtype: str = 'float32'  # compute dtype; params stay float32
+  cache_dir: str = '~/.cache/pagedjax'  # Orbax copy of converted params; '' disables it
+  random: RandomModelConfig = RandomModelConfig()
+
+  def validate(self):
+    if self.source not in MODEL_SOURCES:
+      _fail('model.source', self.source, f'one of {MODEL_SOURCES}')
+    if self.source in ('gguf', 'safetensors') and not self.path:
+      _fail('model.path', self.path,
+            f'a file or directory path when model.source={self.source!r}')
+    if self.dtype not in DTYPES:
+      _fail('model.dtype', self.dtype, f'one of {tuple(DTYPES)}')
+    if self.source == 'random':
+      validate_model_shape(self.random_model_config())
+
+  def random_model_config(self) -> ModelConfig:
+    r = dataclasses.asdict(self.random)
+    del r['seed']
+    return ModelConfig(**r, dtype=self.dtype)
 
 
 def validate_model_shape(cfg: ModelConfig, field='model.random'):
@@ -32,7 +97,7 @@ def validate_model_shape(cfg: ModelConfig, field='model.random'):
   for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
                'ffn_dim', 'max_seq_len'):
     value = getattr(cfg, name)
-    if not isinstance(value, int) or value < 1:
+    if not _is_int(value) or value < 1:
       _fail(f'{field}.{name}', value, 'a positive integer')
   if cfg.num_heads % cfg.num_kv_heads:
     divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
@@ -44,181 +109,223 @@ def validate_model_shape(cfg: ModelConfig, field='model.random'):
     _fail('model.dtype', cfg.dtype, f'one of {tuple(DTYPES)}')
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+  """The KV pool: blocks of block_size tokens, num_blocks of them (block 0 is the null block)."""
+  block_size: int = 16
+  num_blocks: int = 256
+  kv_dtype: str = 'auto'  # auto = model.dtype; int8 | fp8_e4m3 | fp8_e5m2 | int4 quantize
+  kv_group_size: int = 32  # int4: channels per scale
+  kv_key_per_channel: bool = False  # int4: KIVI keys, one range per channel per block
+  kv_recent_window: int = 0  # newest tokens per sequence also kept in bfloat16
+  kind: str = 'paged'  # paged | contiguous (reserves engine.max_seq_len per request)
+
+  def validate(self, head_dim=None):
+    """head_dim None (a checkpoint not loaded yet) skips the checks that need it."""
+    if not _is_power_of_two(self.block_size) or self.block_size > 1024:
+      _fail('pool.block_size', self.block_size, 'a power of two from 1 to 1024')
+    if self.kv_dtype not in KV_DTYPES:
+      _fail('pool.kv_dtype', self.kv_dtype, f'one of {KV_DTYPES}')
+    if self.kind not in POOL_KINDS:
+      _fail('pool.kind', self.kind, f'one of {POOL_KINDS}')
+    try:
+      self.kv_quant('float32').validate(head_dim)
+    except ValueError as e:
+      field = str(e).split('=')[0]
+      names = {'kv_dtype': 'kv_dtype', 'group_size': 'kv_group_size',
+               'key_per_channel': 'kv_key_per_channel', 'recent_window': 'kv_recent_window'}
+      raise ConfigError(f'config.pool.{names.get(field, field)}: {e}') from None
+
+  def kv_quant(self, model_dtype: str) -> kv_quant.KVQuantConfig:
+    """The pool's storage scheme ('auto' = the model's dtype)."""
+    return kv_quant.KVQuantConfig(
+        kv_dtype=model_dtype if self.kv_dtype == 'auto' else self.kv_dtype,
+        group_size=self.kv_group_size, key_per_channel=self.kv_key_per_channel,
+        recent_window=self.kv_recent_window)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  # auto picks per backend: xla on CPU, pallas_tpu on TPU, pallas_gpu on GPU (kernels/__init__.py)
+  impl: str = 'auto'
+
+  def validate(self):
+    if self.impl not in ATTENTION_IMPLS:
+      _fail('attention.impl', self.impl, f'one of {ATTENTION_IMPLS}')
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_batch_size: int = 8  # running sequences per iteration
+  prefill_chunk: int = 64  # prompt tokens per row per prefill call
+  max_seq_len: int = 1024  # prompt + output; capped by the model's own limit
+
+  def validate(self):
+    if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+      _fail('engine.max_batch_size', self.max_batch_size, 'an integer >= 1')
+    if not _is_power_of_two(self.prefill_chunk):
+      _fail('engine.prefill_chunk', self.prefill_chunk, 'a power of two')
+    if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
+      _fail('engine.max_seq_len', self.max_seq_len, 'an integer >= 2')
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  preemption: str = 'recompute'  # recompute | swap (to a host-RAM tier)
+  watermark: float = 0.01  # share of pool blocks paged admission keeps free
+  max_num_batched_tokens: int = 0  # query tokens per iteration; 0 = max_batch_size * chunk
+  swap_blocks: int = 0  # host-tier blocks for swap; 0 = as many as the pool
+
+  def validate(self, max_batch_size: int):
+    if self.preemption not in PREEMPTION_POLICIES:
+      _fail('scheduler.preemption', self.preemption, f'one of {PREEMPTION_POLICIES}')
+    w = self.watermark
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
+      _fail('scheduler.watermark', w,
+            'a number in [0, 1): the share of pool blocks admission keeps free')
+    budget = self.max_num_batched_tokens
+    if not _is_int(budget) or (budget != 0 and budget < max_batch_size):
+      _fail('scheduler.max_num_batched_tokens', budget,
+            f'0 (engine.max_batch_size * engine.prefill_chunk) or an integer >= '
+            f'engine.max_batch_size={max_batch_size}, so every decode fits an iteration')
+    if not _is_int(self.swap_blocks) or self.swap_blocks < 0:
+      _fail('scheduler.swap_blocks', self.swap_blocks,
+            'an integer >= 0 (host-tier blocks; 0 = as many as the pool)')
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+  enabled: bool = False  # reuse cached full blocks of earlier prompts
+  design: str = 'hash'  # hash (chain over full blocks) | radix (tree)
+  eviction: str = 'lru'  # lru | lfu: which evictable cached block goes first
+
+  def validate(self):
+    if not isinstance(self.enabled, bool):
+      _fail('prefix_cache.enabled', self.enabled, 'True or False')
+    if self.design not in PREFIX_DESIGNS:
+      _fail('prefix_cache.design', self.design,
+            f'one of {PREFIX_DESIGNS} (hash chain over full blocks, or radix tree)')
+    if self.eviction not in EVICTION_POLICIES:
+      _fail('prefix_cache.eviction', self.eviction, f'one of {EVICTION_POLICIES}')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  model: int = 1  # tensor-parallel degree: KV pool over KV heads, weights over heads / MLP
+
+  def validate(self, model_cfg=None):
+    try:  # a checkpoint's shape is checked again once it is loaded (factory.py)
+      sharding.validate_mesh(model_cfg, self.model)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelSection = ModelSection()
+  pool: PoolConfig = PoolConfig()
+  attention: AttentionConfig = AttentionConfig()
+  engine: EngineConfig = EngineConfig()
+  scheduler: SchedulerConfig = SchedulerConfig()
+  prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+  sampling: SamplingParams = SamplingParams()
+  mesh: MeshConfig = MeshConfig()
+
+  def validate(self) -> 'Config':
+    """Every section, then the checks that span sections; returns self."""
+    self.model.validate()
+    random_cfg = self.model.random_model_config() if self.model.source == 'random' else None
+    self.mesh.validate(random_cfg)
+    self.pool.validate(random_cfg.head_dim if random_cfg else None)
+    self.attention.validate()
+    self.engine.validate()
+    self.scheduler.validate(self.engine.max_batch_size)
+    self.prefix_cache.validate()
+    try:
+      self.sampling.validate()
+    except ValueError as e:
+      raise ConfigError(f'config.sampling.{e}') from None
+    pool, eng = self.pool, self.engine
+    # Every running sequence holds at least one block, and block 0 is the null block.
+    if not _is_int(pool.num_blocks) or pool.num_blocks < eng.max_batch_size + 1:
+      _fail('pool.num_blocks', pool.num_blocks,
+            f'at least engine.max_batch_size + 1 = {eng.max_batch_size + 1} '
+            '(one block per sequence, plus the null block)')
+    reserve = math.ceil(eng.max_seq_len / pool.block_size)
+    if pool.kind == 'contiguous' and pool.num_blocks < reserve + 1:
+      _fail('pool.num_blocks', pool.num_blocks,
+            f'at least {reserve + 1} with pool.kind=\'contiguous\': one reservation of '
+            f'engine.max_seq_len={eng.max_seq_len} tokens in blocks of {pool.block_size}, '
+            'plus the null block')
+    if self.prefix_cache.enabled and pool.kv_recent_window:
+      _fail('prefix_cache.enabled', True,
+            'False with pool.kv_recent_window > 0 (shared blocks cannot carry per-sequence rings)')
+    if self.scheduler.preemption == 'swap' and pool.kv_recent_window:
+      _fail('scheduler.preemption', 'swap', "'recompute' with pool.kv_recent_window > 0 (swap "
+            'does not carry the per-sequence rings; recompute rebuilds them)')
+    return self
+
+  # ---- ConfigDict <-> dataclasses ----------------------------------------------------------
+
+  @classmethod
+  def from_configdict(cls, config) -> 'Config':
+    """The engine's sections of an experiment ConfigDict, typed and validated."""
+    sections = {}
+    for field in dataclasses.fields(cls):
+      section = config.get(field.name)
+      values = {} if section is None else _plain(section)
+      if field.name == 'sampling':
+        sections['sampling'] = _build(SamplingParams, values, 'sampling', SAMPLING_FIELDS)
+      elif field.name == 'model':
+        random = _build(RandomModelConfig, values.pop('random', {}), 'model.random')
+        sections['model'] = _build(ModelSection, {**values, 'random': random}, 'model')
+      else:
+        sections[field.name] = _build(field.type, values, field.name)
+    return cls(**sections).validate()
+
+  def to_configdict(self) -> ml_collections.ConfigDict:
+    """These values as a ConfigDict that config files extend and absl flags override."""
+    out = dataclasses.asdict(self)
+    out['sampling'] = {k: out['sampling'][k] for k in SAMPLING_FIELDS}
+    return ml_collections.ConfigDict(out)
+
+
+def _plain(section) -> Dict[str, Any]:
+  return section.to_dict() if hasattr(section, 'to_dict') else dict(section)
+
+
+def _build(cls, values: Dict[str, Any], name: str, allowed=None):
+  allowed = allowed or [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(values) - set(allowed))
+  if unknown:
+    raise ConfigError(f'config.{name}.{unknown[0]} is not a field: {name} has '
+                      f'{", ".join(allowed)}')
+  return cls(**values)
+
+
 def validate_config(config):
-  """Checks every field the decode experiments read; raises ConfigError on the first bad one."""
-  m, pool, eng = config.model, config.pool, config.engine
-  if m.source not in MODEL_SOURCES:
-    _fail('model.source', m.source, f'one of {MODEL_SOURCES}')
-  if m.source in ('gguf', 'safetensors') and not m.path:
-    _fail('model.path', m.path, f'a file or directory path when model.source={m.source!r}')
-  if m.dtype not in DTYPES:
-    _fail('model.dtype', m.dtype, f'one of {tuple(DTYPES)}')
-  if m.source == 'random':
-    validate_model_shape(random_model_config(config))
-  try:  # a checkpoint's shape is checked again against the mesh once it is loaded (factory.py)
-    sharding.validate_mesh(random_model_config(config) if m.source == 'random' else None,
-                           sharding.mesh_model(config))
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
-
-  if not _is_power_of_two(pool.block_size) or pool.block_size > 1024:
-    _fail('pool.block_size', pool.block_size, 'a power of two from 1 to 1024')
-  if pool.kv_dtype not in KV_DTYPES:
-    _fail('pool.kv_dtype', pool.kv_dtype, f'one of {KV_DTYPES}')
-  validate_kv_quant(config)
-  if config.attention.impl not in ATTENTION_IMPLS:
-    _fail('attention.impl', config.attention.impl, f'one of {ATTENTION_IMPLS}')
-
-  if not isinstance(eng.max_batch_size, int) or eng.max_batch_size < 1:
-    _fail('engine.max_batch_size', eng.max_batch_size, 'an integer >= 1')
-  if not _is_power_of_two(eng.prefill_chunk):
-    _fail('engine.prefill_chunk', eng.prefill_chunk, 'a power of two')
-  if not isinstance(eng.max_seq_len, int) or eng.max_seq_len < 2:
-    _fail('engine.max_seq_len', eng.max_seq_len, 'an integer >= 2')
-  # Every running sequence holds at least one block, and block 0 is the null block.
-  if not isinstance(pool.num_blocks, int) or pool.num_blocks < eng.max_batch_size + 1:
-    _fail('pool.num_blocks', pool.num_blocks,
-          f'at least engine.max_batch_size + 1 = {eng.max_batch_size + 1} '
-          '(one block per sequence, plus the null block)')
-
-  try:
-    sampling_params(config).validate()
-  except ValueError as e:
-    raise ConfigError(f'config.sampling.{e}') from None
-  validate_scheduler(config)
-  validate_prefix_cache(config)
+  """Checks every field the decode experiments read (the typed sections, and the trace if the
+  config has one); raises ConfigError on the first bad one, else returns the ConfigDict."""
+  typed = Config.from_configdict(config)
   if 'trace' in config:
-    validate_trace(config)
+    validate_trace(config.trace, typed.engine.max_seq_len)
   return config
 
 
-def random_model_config(config) -> ModelConfig:
-  r = config.model.random
-  return ModelConfig(vocab_size=r.vocab_size, d_model=r.d_model, num_layers=r.num_layers,
-                     num_heads=r.num_heads, num_kv_heads=r.num_kv_heads, head_dim=r.head_dim,
-                     ffn_dim=r.ffn_dim, max_seq_len=r.max_seq_len, rope_theta=r.rope_theta,
-                     tie_embeddings=r.tie_embeddings, dtype=config.model.dtype)
-
-
-def sampling_params(config) -> SamplingParams:
-  s = config.sampling
-  return SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                        top_k=s.top_k, top_p=s.top_p, seed=s.seed)
-
-
-# ---- pool kind and scheduler ---------------------------------------------------------------
-# Configs written before these fields existed get the defaults below, so they keep working.
-SCHEDULER_DEFAULTS = dict(preemption='recompute', watermark=0.01, max_num_batched_tokens=0,
-                          swap_blocks=0)
-
-
-def _scheduler_field(config, name):
-  section = config.get('scheduler') or {}
-  return section.get(name, SCHEDULER_DEFAULTS[name])
-
-
-def scheduler_options(config) -> dict:
-  """Engine keyword arguments for config.pool.kind and config.scheduler (0 = engine default)."""
-  return dict(pool_kind=config.pool.get('kind', 'paged'),
-              preemption=_scheduler_field(config, 'preemption'),
-              watermark=_scheduler_field(config, 'watermark'),
-              max_num_batched_tokens=_scheduler_field(config, 'max_num_batched_tokens') or None,
-              swap_blocks=_scheduler_field(config, 'swap_blocks') or None)
-
-
-def validate_scheduler(config):
-  pool, eng = config.pool, config.engine
-  kind = pool.get('kind', 'paged')
-  if kind not in POOL_KINDS:
-    _fail('pool.kind', kind, f'one of {POOL_KINDS}')
-  preemption = _scheduler_field(config, 'preemption')
-  if preemption not in PREEMPTION_POLICIES:
-    _fail('scheduler.preemption', preemption, f'one of {PREEMPTION_POLICIES}')
-  watermark = _scheduler_field(config, 'watermark')
-  if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not (
-      0 <= watermark < 1):
-    _fail('scheduler.watermark', watermark,
-          'a number in [0, 1): the share of pool blocks admission keeps free')
-  budget = _scheduler_field(config, 'max_num_batched_tokens')
-  if not isinstance(budget, int) or (budget != 0 and budget < eng.max_batch_size):
-    _fail('scheduler.max_num_batched_tokens', budget,
-          f'0 (engine.max_batch_size * engine.prefill_chunk) or an integer >= '
-          f'engine.max_batch_size={eng.max_batch_size}, so every decode fits an iteration')
-  swap_blocks = _scheduler_field(config, 'swap_blocks')
-  if not isinstance(swap_blocks, int) or swap_blocks < 0:
-    _fail('scheduler.swap_blocks', swap_blocks,
-          'an integer >= 0 (host-tier blocks; 0 = as many as the pool)')
-  reserve = math.ceil(eng.max_seq_len / pool.block_size)
-  if kind == 'contiguous' and pool.num_blocks < reserve + 1:
-    _fail('pool.num_blocks', pool.num_blocks,
-          f'at least {reserve + 1} with pool.kind=\'contiguous\': one reservation of '
-          f'engine.max_seq_len={eng.max_seq_len} tokens in blocks of {pool.block_size}, plus '
-          'the null block')
-
-
-def validate_trace(config):
+def validate_trace(t, max_seq_len: int):
   """config.trace: the synthetic workload a trace job replays (pagedjax.workloads)."""
-  t = config.trace
   if t.dataset not in DATASETS:
     _fail('trace.dataset', t.dataset, f'one of {tuple(DATASETS)}')
   for name in ('num_requests', 'max_input_len', 'max_output_len'):
-    value = t[name]
-    if not isinstance(value, int) or value < 1:
-      _fail(f'trace.{name}', value, 'an integer >= 1')
-  if not isinstance(t.seed, int):
+    if not _is_int(t[name]) or t[name] < 1:
+      _fail(f'trace.{name}', t[name], 'an integer >= 1')
+  if not _is_int(t.seed):
     _fail('trace.seed', t.seed, 'an integer')
   if isinstance(t.rate, bool) or not isinstance(t.rate, (int, float)) or not t.rate > 0:
     _fail('trace.rate', t.rate, "requests/s > 0, or float('inf') for all at t=0")
-  if not isinstance(t.get('calibrate', True), bool):
-    _fail('trace.calibrate', t.calibrate, 'True (keep the dataset means under the length limits) '
-          'or False (clip the plain laws)')
-  if t.max_input_len >= config.engine.max_seq_len:
+  if not isinstance(t.calibrate, bool):
+    _fail('trace.calibrate', t.calibrate, 'True (keep the dataset means under the length '
+          'limits) or False (clip the plain laws)')
+  if t.max_input_len >= max_seq_len:
     _fail('trace.max_input_len', t.max_input_len,
-          f'less than engine.max_seq_len={config.engine.max_seq_len}')
-
-
-def validate_kv_quant(config):
-  """pool.kv_* combinations: group size dividing head_dim, options only where defined."""
-  m = config.model
-  head_dim = m.random.head_dim if m.source == 'random' else None
-  kv_quant = quant.from_config(config.pool, m.dtype)
-  try:
-    kv_quant.validate(head_dim)  # a checkpoint's head_dim is checked by init_pool at load
-  except ValueError as e:
-    field = str(e).split('=')[0]
-    names = {'kv_dtype': 'kv_dtype', 'group_size': 'kv_group_size',
-             'key_per_channel': 'kv_key_per_channel', 'recent_window': 'kv_recent_window'}
-    raise ConfigError(f'config.pool.{names.get(field, field)}: {e}') from None
-
-
-# ---- prefix cache --------------------------------------------------------------------------
-# Configs written before this section existed run without prefix caching.
-PREFIX_CACHE_DEFAULTS = dict(enabled=False, design='hash', eviction='lru')
-
-
-def _prefix_field(config, name):
-  section = config.get('prefix_cache') or {}
-  return section.get(name, PREFIX_CACHE_DEFAULTS[name])
-
-
-def prefix_cache_options(config) -> dict:
-  """Engine keyword arguments for config.prefix_cache."""
-  return dict(prefix_caching=_prefix_field(config, 'enabled'),
-              prefix_cache_design=_prefix_field(config, 'design'),
-              prefix_cache_eviction=_prefix_field(config, 'eviction'))
-
-
-def validate_prefix_cache(config):
-  enabled = _prefix_field(config, 'enabled')
-  if not isinstance(enabled, bool):
-    _fail('prefix_cache.enabled', enabled, 'True or False')
-  design = _prefix_field(config, 'design')
-  if design not in prefix_cache.DESIGNS:
-    _fail('prefix_cache.design', design,
-          f'one of {prefix_cache.DESIGNS} (hash chain over full blocks, or radix tree)')
-  eviction = _prefix_field(config, 'eviction')
-  if eviction not in prefix_cache.EVICTION_POLICIES:
-    _fail('prefix_cache.eviction', eviction, f'one of {prefix_cache.EVICTION_POLICIES}')
-  if enabled and config.pool.get('kv_recent_window', 0):
-    _fail('prefix_cache.enabled', enabled,
-          'False with pool.kv_recent_window > 0 (shared blocks cannot carry per-sequence rings)')
+          f'less than engine.max_seq_len={max_seq_len}')

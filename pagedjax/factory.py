@@ -1,21 +1,34 @@
-"""From a validated experiment config to a ready engine: model, params, tokenizer, pool.
+"""From a config to a ready engine: model, params, tokenizer, pool.
 
-With config.mesh.model > 1 the engine runs tensor-parallel (pagedjax/sharding.py): the params are
-placed on a ('model',) mesh here and the engine creates its pool in shards on it, so the engine
-and its host logic are the same code for one device or many.
+`config` is the typed Config (pagedjax/config.py) or an experiment ConfigDict, which is typed and
+validated here. With config.mesh.model > 1 the engine runs tensor-parallel
+(pagedjax/model/sharding.py): the params are placed on a ('model',) mesh here and the engine
+creates its pool in shards on it, so the engine and its host logic are the same code for one
+device or many.
 """
 import dataclasses
 import os
 
 import jax
 
-from pagedjax import quant, sharding, weights
-from pagedjax.config import (prefix_cache_options, random_model_config, scheduler_options,
-                             validate_model_shape)
+from pagedjax.config import Config, validate_model_shape
+from pagedjax.device.step import CompiledStep
 from pagedjax.engine import Engine
-from pagedjax.model import init_params
-from pagedjax.steps import CompiledStep
-from pagedjax.tokenizer import Tokenizer
+from pagedjax.model import sharding, weights
+from pagedjax.model.llama import init_params
+from pagedjax.model.tokenizer import Tokenizer
+
+
+def typed(config) -> Config:
+  """The typed, validated Config of a Config or an experiment ConfigDict."""
+  return config.validate() if isinstance(config, Config) else Config.from_configdict(config)
+
+
+def build_engine(config=Config(), **engine_kwargs) -> Engine:
+  """Loads the config's model and tokenizer and returns an engine for it: the one call a
+  library user needs (`pagedjax.build_engine(Config(...))`)."""
+  model_cfg, params, tokenizer = load_model_and_tokenizer(config)
+  return make_engine(config, model_cfg, params, tokenizer, **engine_kwargs)
 
 
 def load_model_and_tokenizer(config):
@@ -24,11 +37,12 @@ def load_model_and_tokenizer(config):
   The mesh is checked against the model's head counts and the devices before params are made
   (random models) or right after the checkpoint's shape is known (loaded ones).
   """
+  config = typed(config)
   m = config.model
-  tp = sharding.mesh_model(config)
+  tp = config.mesh.model
   cache_dir = os.path.expanduser(m.cache_dir) if m.cache_dir else None
   if m.source == 'random':
-    model_cfg = random_model_config(config)
+    model_cfg = m.random_model_config()
     sharding.validate_mesh(model_cfg, tp, jax.device_count())
     params = init_params(model_cfg, seed=m.random.seed)
     tokenizer = Tokenizer.from_gguf(weights.smollm2_gguf_path())
@@ -44,23 +58,19 @@ def load_model_and_tokenizer(config):
   return model_cfg, params, tokenizer
 
 
-def make_engine(config, model_cfg, params, tokenizer, **overrides) -> Engine:
-  """An engine for the config; overrides replace Engine keyword arguments.
+def make_engine(config, model_cfg, params, tokenizer, **engine_kwargs) -> Engine:
+  """An engine for the config; engine_kwargs are Engine's keyword arguments (step_fn,
+  record_logits, ...).
 
   Tensor-parallel engines (mesh.model > 1) get a CompiledStep built for the mesh unless
   `step_fn` is given, in which case it must have been built for an equal mesh.
   """
-  kwargs = dict(block_size=config.pool.block_size, num_blocks=config.pool.num_blocks,
-                max_batch_size=config.engine.max_batch_size,
-                prefill_chunk=config.engine.prefill_chunk, max_seq_len=config.engine.max_seq_len,
-                attention_impl=config.attention.impl,
-                kv_quant=quant.from_config(config.pool, model_cfg.dtype),
-                eos_id=tokenizer.eos_id if tokenizer is not None else None, tokenizer=tokenizer,
-                **scheduler_options(config), **prefix_cache_options(config))
-  kwargs.update(overrides)
-  tp = sharding.validate_mesh(model_cfg, sharding.mesh_model(config), jax.device_count())
+  config = typed(config)
+  kwargs = dict(eos_id=tokenizer.eos_id if tokenizer is not None else None, tokenizer=tokenizer)
+  kwargs.update(engine_kwargs)
+  tp = sharding.validate_mesh(model_cfg, config.mesh.model, jax.device_count())
   if tp == 1:
-    return Engine(model_cfg, params, **kwargs)
+    return Engine(model_cfg, params, config, **kwargs)
 
   mesh = sharding.make_mesh(tp)
   # The engine sees the equivalent model with num_kv_heads >= tp (KV heads replicated if needed),
@@ -68,12 +78,12 @@ def make_engine(config, model_cfg, params, tokenizer, **overrides) -> Engine:
   sharded_cfg, params = sharding.shard_model(model_cfg, params, mesh)
   step_fn = kwargs.get('step_fn')
   if step_fn is None:
-    kwargs['step_fn'] = CompiledStep(sharded_cfg, kwargs['attention_impl'],
+    kwargs['step_fn'] = CompiledStep(sharded_cfg, config.attention.impl,
                                      kwargs.get('record_logits', False), mesh=mesh)
   elif getattr(step_fn, 'mesh', None) != mesh:
     raise ValueError(f'step_fn was built for mesh {getattr(step_fn, "mesh", None)}, but '
                      f'config.mesh.model={tp} needs {mesh}: build it with '
                      'CompiledStep(..., mesh=sharding.make_mesh(tp))')
   # The pool is created in shards; every step donates it and returns it with the same sharding
-  # (steps.py): it stays split, in place.
-  return Engine(sharded_cfg, params, mesh=mesh, **kwargs)
+  # (device/step.py): it stays split, in place.
+  return Engine(sharded_cfg, params, config, mesh=mesh, **kwargs)

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax import pool as pool_lib
-from pagedjax.model import Llama, ModelConfig
-from pagedjax.quant import KVQuantConfig
-from pagedjax.step_inputs import RowSpec, build_step_inputs
+from pagedjax.device import pool as pool_lib
+from pagedjax.model.llama import Llama, ModelConfig
+from pagedjax.device.kv_quant import KVQuantConfig
+from pagedjax.host.step_inputs import RowSpec, build_step_inputs
 
 
 class ChunkScorer:

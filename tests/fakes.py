@@ -10,7 +10,8 @@ import collections
 import numpy as np
 
 from pagedjax.engine import Engine
-from pagedjax.model import ModelConfig
+from tiny_models import build_engine
+from pagedjax.model.llama import ModelConfig
 
 VOCAB = 97
 CFG = ModelConfig(vocab_size=VOCAB, d_model=8, num_layers=1, num_heads=1, num_kv_heads=1,
@@ -67,7 +68,7 @@ def fake_engine(clock=None, **kw) -> Engine:
   clock = clock or FakeClock()
   kw = {'block_size': 4, 'num_blocks': 17, 'max_batch_size': 4, 'prefill_chunk': 8,
         'step_fn': FakeStep(clock.tick), 'timer': clock, **kw}
-  return Engine(CFG, None, **kw)
+  return build_engine(CFG, None, **kw)
 
 
 def block_holders(engine) -> collections.Counter:
@@ -84,9 +85,9 @@ def check_blocks(engine) -> None:
   prefix_cache.py); free, evictable and held blocks partition the pool's non-null blocks."""
   alloc, cache = engine.allocator, engine.prefix_cache
   holders = block_holders(engine)
-  for seq in engine.waiting + engine.swapped:
+  for seq in engine.scheduler.waiting + engine.scheduler.swapped:
     assert not seq.block_table, (seq.request_id, seq.block_table)
-  for seq in engine.running + engine.waiting + engine.swapped:
+  for seq in engine.running + engine.scheduler.waiting + engine.scheduler.swapped:
     for child in seq.forks:
       assert not child.block_table
   free = alloc.free_blocks()

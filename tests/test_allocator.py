@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pagedjax.allocator import AllocationError, BlockAllocator
+from pagedjax.host.allocator import AllocationError, BlockAllocator
 
 
 def test_null_block_is_never_handed_out():

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pagedjax import factory
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.sampling_params import SamplingParams
 from configs import default
 from tiny_models import run_experiment
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import model, weights
+from pagedjax.model import llama as model
+from pagedjax.model import weights
 
 torch = pytest.importorskip('torch', reason='HF parity needs the test extra (torch CPU wheel)')
 transformers = pytest.importorskip('transformers', reason='HF parity needs transformers')

@@ -2,8 +2,8 @@
 import pytest
 
 from fakes import FakeClock, fake_engine
-from pagedjax.metrics import WASTE
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.metrics import WASTE
+from pagedjax.host.sampling_params import SamplingParams
 
 
 def one_request(kind):
@@ -35,14 +35,14 @@ def test_peak_and_mean_utilization():
   the last iteration holding the most blocks. Paged: 2 blocks, 6/8, 7/8, 8/8."""
   engine = fake_engine(block_size=4, num_blocks=9, max_seq_len=16, pool_kind='contiguous')
   engine.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
-  assert engine.peak_blocks_used == 4
-  assert engine.utilization_at_peak == pytest.approx(8 / 16)
-  assert engine.mean_utilization == pytest.approx((6 + 7 + 8) / 3 / 16)
+  assert engine.metrics.peak_blocks_used() == 4
+  assert engine.metrics.utilization_at_peak() == pytest.approx(8 / 16)
+  assert engine.metrics.mean_utilization() == pytest.approx((6 + 7 + 8) / 3 / 16)
   engine = fake_engine(block_size=4, num_blocks=9, max_seq_len=16, pool_kind='paged')
-  assert engine.peak_blocks_used == 0 and engine.mean_utilization == 0.0  # nothing ran yet
+  assert engine.metrics.peak_blocks_used() == 0 and engine.metrics.mean_utilization() == 0.0  # nothing ran yet
   engine.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_new_tokens=3))
-  assert engine.peak_blocks_used == 2 and engine.utilization_at_peak == 1.0
-  assert engine.mean_utilization == pytest.approx((6 / 8 + 7 / 8 + 1) / 3)
+  assert engine.metrics.peak_blocks_used() == 2 and engine.metrics.utilization_at_peak() == 1.0
+  assert engine.metrics.mean_utilization() == pytest.approx((6 / 8 + 7 / 8 + 1) / 3)
 
 
 def test_free_but_unusable_while_a_reservation_does_not_fit():

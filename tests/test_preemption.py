@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import pool as pool_lib
-from pagedjax.engine import Engine
-from pagedjax.model import ModelConfig, init_params
-from pagedjax.sampling import SamplingParams
-from pagedjax.steps import CompiledStep
-from pagedjax.swap import HostTier
+from pagedjax.device import pool as pool_lib
+from pagedjax.model.llama import ModelConfig, init_params
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.device.step import CompiledStep
+from pagedjax.device import block_transfer
+from pagedjax.host.step_inputs import padded_ids, power_of_two_buckets
+from pagedjax.host.host_tier import HostTier
+from tiny_models import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=24)
 SAMPLED = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=20, seed=5)
@@ -32,7 +34,7 @@ def make_engine(**kw):
   cfg, params, step = tiny()
   kw = {'block_size': 16, 'num_blocks': 9, 'max_batch_size': 4, 'prefill_chunk': 16,
         'max_seq_len': 64, 'step_fn': step, **kw}
-  return Engine(cfg, params, **kw)
+  return build_engine(cfg, params, **kw)
 
 
 def prompts():
@@ -75,21 +77,24 @@ def test_outputs_identical_under_preemption(kw, policy, params):
 
 
 def test_host_tier_round_trip_moves_exactly_the_blocks():
+  """Device blocks -> host tier -> other device blocks, through the jitted gather and scatter
+  (device/block_transfer.py) with ids padded by the null block, as the executor does."""
   shape = (2, 12, 2, 4, 3)  # [layers, blocks, kv_heads, block_size, head_dim]
   keys = jax.random.split(jax.random.PRNGKey(0))
   k, v = (jax.random.normal(key, shape) for key in keys)
   pool = pool_lib.KVPool(k=k, v=v)
   want_k, want_v = np.asarray(k), np.asarray(v)
-  tier = HostTier(pool, num_blocks=6)
+  tier = HostTier(pool.block_array_shapes(), num_blocks=6)
   host = tier.allocator.allocate(3)
-  assert tier.swap_out(pool, [([3, 5], host[:2]), ([9], host[2:])]) == 3
+  buckets = power_of_two_buckets(11)
+  data = block_transfer.gather_blocks(pool, padded_ids([3, 5, 9], buckets))
+  tier.store(host, jax.device_get(data))
   pool = pool.replace(k=jnp.zeros(shape), v=jnp.zeros(shape))  # the device copies are gone
-  pool = tier.swap_in(pool, [(host, [7, 2, 11])])
+  ids = padded_ids([7, 2, 11], buckets)
+  pool = block_transfer.scatter_blocks(pool, ids, tier.load(host, len(ids)))
   got_k, got_v = np.asarray(pool.k), np.asarray(pool.v)
   for src, dst in ((3, 7), (5, 2), (9, 11)):
     np.testing.assert_array_equal(got_k[:, dst], want_k[:, src])
     np.testing.assert_array_equal(got_v[:, dst], want_v[:, src])
   untouched = [b for b in range(1, 12) if b not in (7, 2, 11)]  # padding lands in block 0 only
   assert not got_k[:, untouched].any() and not got_v[:, untouched].any()
-  with pytest.raises(ValueError, match='block axis'):
-    HostTier(pool.replace(k=k[:, :5]), num_blocks=2)

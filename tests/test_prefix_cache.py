@@ -1,16 +1,17 @@
 """Prefix caching: the hash chain, eviction order, config checks, and greedy outputs that are
 token-identical with caching on and off (tiny random model, shared compiled step)."""
+import dataclasses
 import functools
 
 import pytest
 
 from configs import default
 from pagedjax import config as config_lib
-from pagedjax.allocator import BlockAllocator
-from pagedjax import prefix_cache
-from pagedjax.prefix_cache import PrefixCache, block_content, chain_keys
-from pagedjax.radix_cache import RadixCache
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host import prefix_cache
+from pagedjax.host.prefix_cache import PrefixCache, block_content, chain_keys, make_prefix_cache
+from pagedjax.host.radix_cache import RadixCache
+from pagedjax.host.sampling_params import SamplingParams
 
 from fakes import check_blocks
 from tiny_models import make_engine, prompts
@@ -113,13 +114,15 @@ def test_config_rejects(field, value, message):
     config_lib.validate_config(_config(**{field: value}))
 
 
-def test_config_options():
-  config = config_lib.validate_config(_config(enabled=True, eviction='lfu'))
-  assert config_lib.prefix_cache_options(config) == dict(
-      prefix_caching=True, prefix_cache_design='hash', prefix_cache_eviction='lfu')
-  del config['prefix_cache']  # configs from before the section keep working, uncached
-  assert config_lib.prefix_cache_options(config_lib.validate_config(config))[
-      'prefix_caching'] is False
+def test_config_section_becomes_typed_and_builds_the_cache():
+  typed = config_lib.Config.from_configdict(_config(enabled=True, eviction='lfu'))
+  assert typed.prefix_cache == config_lib.PrefixCacheConfig(enabled=True, design='hash',
+                                                            eviction='lfu')
+  cache = make_prefix_cache(typed.prefix_cache, block_size=4)
+  assert isinstance(cache, PrefixCache) and cache.eviction == 'lfu'
+  radix = dataclasses.replace(typed.prefix_cache, design='radix')
+  assert isinstance(make_prefix_cache(radix, block_size=4), RadixCache)
+  assert make_prefix_cache(config_lib.PrefixCacheConfig(), block_size=4) is None  # off
 
 
 # ---- engines on the tiny model -----------------------------------------------------------

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import pool as pool_lib
-from pagedjax import quant
-from pagedjax.step_inputs import RowSpec, build_step_inputs
+from pagedjax.device import pool as pool_lib
+from pagedjax.device import kv_quant as quant
+from pagedjax.host.step_inputs import RowSpec, build_step_inputs
 
 X = jax.random.normal(jax.random.PRNGKey(0), (64, 3, 16, 64)) * 2.0
 X = X.at[..., 5].multiply(20.0)  # an outlier channel, as real keys have

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.sampling import SamplingParams, sample
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.device.sampling import sample
 from tiny_models import make_engine, prompts
 
 sample_jit = jax.jit(sample)

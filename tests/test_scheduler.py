@@ -7,19 +7,19 @@ from hypothesis import event, given, settings, strategies as st
 
 from fakes import FakeClock, expected_outputs, fake_engine
 from pagedjax.engine import RequestError
-from pagedjax.sampling import SamplingParams
-from pagedjax.sequence import Status
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.sequence import Status
 
 
 def check_invariants(engine):
   """Everything that must hold between any two iterations."""
-  alloc, bm = engine.allocator, engine.blocks
+  alloc, bm = engine.allocator, engine.block_manager
   held = [b for s in engine.running for b in s.block_table]
   assert len(held) == len(set(held)), 'a block is in two tables'
   assert 0 not in held, 'the null block was handed out'
   assert alloc.num_used == len(held) <= alloc.num_blocks - 1
   assert all(alloc.ref_count(b) == 1 for b in held)
-  assert len(engine.running) <= engine.max_batch_size
+  assert len(engine.running) <= engine.config.engine.max_batch_size
   for s in engine.running:
     assert s.status is Status.RUNNING
     if bm.kind == 'contiguous':
@@ -27,18 +27,18 @@ def check_invariants(engine):
     else:  # blocks for what is cached, at most for every token it has
       assert bm.blocks_for(s.num_cached) <= len(s.block_table) <= bm.blocks_for(s.num_tokens)
   lanes = [s.lane for s in engine.running]  # recent-window rings, one per running sequence
-  assert 0 not in lanes and len(set(lanes)) == len(lanes) <= engine.max_batch_size
-  for s in engine.waiting + engine.swapped:
+  assert 0 not in lanes and len(set(lanes)) == len(lanes) <= engine.config.engine.max_batch_size
+  for s in engine.scheduler.waiting + engine.scheduler.swapped:
     assert not s.block_table and not s.lane
-  for s in engine.waiting:
+  for s in engine.scheduler.waiting:
     assert s.status is Status.WAITING and s.num_cached == 0 and not s.host_blocks
-  host = [b for s in engine.swapped for b in s.host_blocks]
-  for s in engine.swapped:
+  host = [b for s in engine.scheduler.swapped for b in s.host_blocks]
+  for s in engine.scheduler.swapped:
     assert s.status is Status.SWAPPED
     assert len(s.host_blocks) == bm.blocks_for(s.num_cached)
   if engine.tier:
     assert engine.tier.allocator.num_used == len(host) == len(set(host))
-  for queue in (engine.waiting, engine.running, engine.swapped):
+  for queue in (engine.scheduler.waiting, engine.running, engine.scheduler.swapped):
     assert queue == sorted(queue, key=lambda s: s.order), 'a queue lost FCFS order'
 
 
@@ -107,7 +107,7 @@ def test_prefill_and_decode_share_an_iteration():
   engine.submit(list(range(20)), SamplingParams(max_new_tokens=5))
   engine.step()
   # One chunk call (the new prompt's first 8 tokens), then one decode call.
-  assert engine.step_fn.calls[-2:] == [(1, 8), (1, 1)]
+  assert engine.executor.step_fn.calls[-2:] == [(1, 8), (1, 1)]
   assert len(engine.finished) == 0 and len(engine.running) == 2
   assert len(engine.running[0].output_ids) == 2 and engine.running[1].num_cached == 8
 
@@ -117,9 +117,9 @@ def test_token_budget_limits_prompt_chunks():
   for n in (12, 12, 12):
     engine.submit(list(range(n)), SamplingParams(max_new_tokens=2))
   engine.step()
-  assert engine.step_fn.calls[-1] == (1, 10)  # FCFS: the first prompt takes the whole budget
+  assert engine.executor.step_fn.calls[-1] == (1, 10)  # FCFS: the first prompt takes the whole budget
   engine.step()  # its last 2 tokens, then the next prompt's first 8
-  assert engine.step_fn.calls[-1] == (2, 10)
+  assert engine.executor.step_fn.calls[-1] == (2, 10)
 
 
 def test_fcfs_completion_order_with_one_row():
@@ -139,7 +139,7 @@ def test_waiting_head_is_not_overtaken():
   engine.submit([5], SamplingParams(max_new_tokens=2))
   engine.step()
   assert [s.request_id for s in engine.running] == [0]
-  assert [s.request_id for s in engine.waiting] == [1, 2]
+  assert [s.request_id for s in engine.scheduler.waiting] == [1, 2]
   assert engine.metrics.steps['free_unusable'][-1] == 2 * 4  # free, but too few for request 1
   engine.run()
   assert sorted(engine.finished) == [0, 1, 2]
@@ -162,7 +162,7 @@ def test_contiguous_reserves_max_seq_len_per_request():
     engine.submit(list(range(5)), SamplingParams(max_new_tokens=4))
   engine.step()
   assert len(engine.running) == 2 and all(len(s.block_table) == 8 for s in engine.running)
-  with pytest.raises(ValueError, match='reserves 9 blocks of 4 tokens .* only 8'):
+  with pytest.raises(ValueError, match='pool.num_blocks=9 is not allowed: at least 10 .*contiguous'):
     fake_engine(pool_kind='contiguous', num_blocks=9, max_seq_len=33)
 
 
@@ -183,12 +183,12 @@ def test_arrivals_become_visible_when_the_clock_passes_them():
   engine = fake_engine(clock)
   engine.submit([1, 2], SamplingParams(max_new_tokens=3), arrival_time=0.0)
   engine.submit([3, 4], SamplingParams(max_new_tokens=2), arrival_time=10.0)
-  assert [s.request_id for s in engine.waiting] == [0]
+  assert [s.request_id for s in engine.scheduler.waiting] == [0]
   engine.step()
   assert engine.clock == 1.0 and [s.request_id for s in engine.running] == [0]
   engine.step()
   engine.step()  # request 0 finishes at t=3
-  assert engine.has_work() and not engine.running and not engine.waiting
+  assert engine.has_work() and not engine.running and not engine.scheduler.waiting
   engine.step()  # idle: the clock jumps to t=10, request 1 prefills
   assert engine.clock == 11.0
   engine.run()

@@ -23,8 +23,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from pagedjax import factory, sharding, sizing
-from pagedjax.model import ModelConfig, forward_dense, init_params
+from pagedjax import factory, sizing
+from pagedjax.model import sharding
+from pagedjax.model.llama import ModelConfig, forward_dense, init_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH_SIZES = (1, 2, 4, 8)
@@ -161,7 +162,7 @@ def test_replicated_kv_heads_are_the_same_model():
 def _worker():
   """Runs in the 8-device subprocess; prints one JSON line of findings for the test to check."""
   import warnings  # pylint: disable=import-outside-toplevel
-  from pagedjax.sampling import SamplingParams  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
   params = init_params(MODEL, seed=1)
   rng = np.random.default_rng(0)
   # Lengths cross blocks of 8; all fit one prefill chunk, so each mesh compiles only two step

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pagedjax.engine import RequestError
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.sampling_params import SamplingParams
 
 from fakes import FakeClock, FakeStep, check_blocks, expected_outputs, fake_engine, written_blocks
 from tiny_models import make_engine, prompts, run_experiment

@@ -4,10 +4,13 @@ import sys
 
 import jax
 import numpy as np
+
 import pytest
 
 from pagedjax import sizing
-from pagedjax.model import ModelConfig, init_params
+from pagedjax.device import pool as pool_lib
+from pagedjax.device.kv_quant import KVQuantConfig
+from pagedjax.model.llama import ModelConfig, init_params
 
 OPT13, L8, L70, SMOL = (sizing.PRESETS[k] for k in
                         ('opt-13b', 'llama3-8b', 'llama3-70b', 'smollm2-135m'))
@@ -58,7 +61,9 @@ def test_param_count_matches_pagedjax_model(tie, kv_heads):
   actual = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
   shape = sizing.from_model_config(cfg)
   assert sizing.param_count(shape) == actual
-  assert sizing.kv_bytes_per_token(shape, 'fp32') == cfg.kv_bytes_per_token
+  pool_slot = pool_lib.pool_bytes(cfg.num_layers, 1, cfg.num_kv_heads, 1, cfg.head_dim,
+                                  KVQuantConfig('float32'))  # one block of one token
+  assert sizing.kv_bytes_per_token(shape, 'fp32') == pool_slot
 
 
 def test_plan_fits():

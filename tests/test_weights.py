@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax import model, weights
-from pagedjax.tokenizer import Tokenizer
+from pagedjax.model import llama as model
+from pagedjax.model import weights
+from pagedjax.model.tokenizer import Tokenizer
 
 # KJV Genesis 1:1-5 (public domain) plus digits, punctuation, unicode and odd whitespace.
 ENGLISH = (

@@ -2,6 +2,7 @@
 
 Each compile of a step costs ~1 s on a 2-core CPU, so engines of one model share a CompiledStep.
 """
+import dataclasses
 import functools
 import os
 import subprocess
@@ -11,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax.config import Config
 from pagedjax.engine import Engine
-from pagedjax.model import ModelConfig, forward_dense, init_params
-from pagedjax.steps import CompiledStep
+from pagedjax.model.llama import ModelConfig, forward_dense, init_params
+from pagedjax.device.step import CompiledStep
 
 VOCAB = 97
 HEADS = {'mha': (4, 4), 'gqa': (4, 2), 'mqa': (4, 1)}
@@ -34,11 +36,53 @@ def dense_fn(kind='gqa'):
   return jax.jit(lambda tokens: forward_dense(cfg, params, tokens))
 
 
+# Test engines name their settings flat; each maps to one field of the typed config.
+CONFIG_FIELDS = {
+    'block_size': ('pool', 'block_size'), 'num_blocks': ('pool', 'num_blocks'),
+    'kv_dtype': ('pool', 'kv_dtype'), 'pool_kind': ('pool', 'kind'),
+    'max_batch_size': ('engine', 'max_batch_size'), 'prefill_chunk': ('engine', 'prefill_chunk'),
+    'max_seq_len': ('engine', 'max_seq_len'), 'attention_impl': ('attention', 'impl'),
+    'preemption': ('scheduler', 'preemption'), 'watermark': ('scheduler', 'watermark'),
+    'max_num_batched_tokens': ('scheduler', 'max_num_batched_tokens'),
+    'swap_blocks': ('scheduler', 'swap_blocks'), 'prefix_caching': ('prefix_cache', 'enabled'),
+    'prefix_cache_design': ('prefix_cache', 'design'),
+    'prefix_cache_eviction': ('prefix_cache', 'eviction'),
+}
+
+
+def engine_config(model_cfg, kv_quant=None, **flat) -> tuple:
+  """(Config, remaining Engine keywords) from flat test settings. Tests default to the reference
+  attention path and the model's own max_seq_len; kv_quant (a KVQuantConfig) sets the pool's
+  kv_* fields."""
+  sections = {}
+  flat = {'attention_impl': 'reference', 'max_seq_len': model_cfg.max_seq_len, **flat}
+  if kv_quant is not None:
+    sections['pool'] = dict(kv_dtype=kv_quant.kv_dtype, kv_group_size=kv_quant.group_size,
+                            kv_key_per_channel=kv_quant.key_per_channel,
+                            kv_recent_window=kv_quant.recent_window)
+  rest = {}
+  for name, value in flat.items():
+    if name not in CONFIG_FIELDS:
+      rest[name] = value
+      continue
+    section, field = CONFIG_FIELDS[name]
+    sections.setdefault(section, {})[field] = 0 if value is None else value
+  base = Config()
+  config = dataclasses.replace(base, **{
+      name: dataclasses.replace(getattr(base, name), **fields) for name, fields in sections.items()})
+  return config, rest
+
+
+def build_engine(model_cfg, params, **flat) -> Engine:
+  config, rest = engine_config(model_cfg, **flat)
+  return Engine(model_cfg, params, config, **rest)
+
+
 def make_engine(kind='gqa', **kw) -> Engine:
   cfg, params, step = tiny(kind)
   kw = {'block_size': 16, 'num_blocks': 64, 'max_batch_size': 4, 'prefill_chunk': 16,
         'step_fn': step, **kw}
-  return Engine(cfg, params, **kw)
+  return build_engine(cfg, params, **kw)
 
 
 def prompts(lengths, seed=0):

@@ -190,3 +190,13 @@ class PrefixCache(CacheBase):
   def _drop(self, block: int) -> None:
     del self._block_of[self._key_of.pop(block)]
     del self._content_of[block]
+
+
+def make_prefix_cache(config, block_size: int) -> Optional[CacheBase]:
+  """The cache a PrefixCacheConfig asks for (design 'hash' here, 'radix' radix_cache.py), or None
+  when prefix caching is off."""
+  if not config.enabled:
+    return None
+  from pagedjax.host.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
+  design = {'hash': PrefixCache, 'radix': RadixCache}[config.design]
+  return design(block_size, config.eviction)

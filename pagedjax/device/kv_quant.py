@@ -149,21 +149,3 @@ def quantize_int4_channels(x, valid):
 def dequantize_int4_channels(packed, scale, zero):
   codes = unpack_int4(packed).astype(jnp.float32)
   return codes * scale.astype(jnp.float32)[..., None, :] + zero.astype(jnp.float32)[..., None, :]
-
-
-def bytes_per_element(kv_dtype: str) -> float:
-  """Storage of one K or V element, scales excluded."""
-  if kv_dtype in FLOAT_DTYPES:
-    return jnp.dtype(FLOAT_DTYPES[kv_dtype]).itemsize
-  return 0.5 if kv_dtype == 'int4' else 1.0
-
-
-def from_config(pool_config, model_dtype: str) -> KVQuantConfig:
-  """KVQuantConfig from an experiment config's `pool` section ('auto' = the model's dtype).
-  Fields added with quantization default to off, so older configs keep working."""
-  kv_dtype = pool_config.kv_dtype
-  if kv_dtype == 'auto':
-    kv_dtype = model_dtype
-  return KVQuantConfig(kv_dtype=kv_dtype, group_size=pool_config.get('kv_group_size', 32),
-                       key_per_channel=pool_config.get('kv_key_per_channel', False),
-                       recent_window=pool_config.get('kv_recent_window', 0))

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pagedjax import pool as pool_lib
-from pagedjax import sharding
+from pagedjax.device import pool as pool_lib
+from pagedjax.model import sharding
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -46,12 +46,6 @@ class ModelConfig:
   tie_embeddings: bool = True
   qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
   dtype: str = 'float32'  # compute dtype; params stay float32
-
-  @property
-  def kv_bytes_per_token(self) -> int:
-    """K and V of one token over all layers, at the compute dtype."""
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(
-        DTYPES[self.dtype]).itemsize
 
 
 def rope(x, positions, theta):

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 
-from pagedjax.sequence import Completion, Sequence
+from pagedjax.host.sequence import Completion, Sequence
 
 WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle')
 

@@ -21,15 +21,22 @@ import dataclasses
 from typing import Optional
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels import paged_attention
-from pagedjax import quant
+from pagedjax.device import kv_quant as quant
+from pagedjax.model import sharding
 
+# Block 0 is the null block (above). The host side names it too (pagedjax.host.allocator, which
+# must not import device code); tests/test_layers.py checks that the two agree.
 NULL_BLOCK = 0
 # Quantized layouts the attention kernels dequantize themselves (kernels/__init__.py).
 KERNEL_NATIVE = ('int8', 'fp8_e4m3')
+
+
+BLOCK_FIELDS = ('k', 'v', 'k_scale', 'v_scale', 'k_zero', 'v_zero')
 
 
 @flax.struct.dataclass
@@ -44,6 +51,15 @@ class KVPool:
   recent_v: Optional[jnp.ndarray] = None  # bfloat16 rings; only with a recent window
   scheme: quant.KVQuantConfig = flax.struct.field(pytree_node=False,
                                                   default=quant.KVQuantConfig())
+
+  def block_arrays(self) -> dict:
+    """Field name -> array for every per-block array (block axis 1): what block copies and
+    tier transfers move. The recent-window rings are per lane, not per block."""
+    return {name: getattr(self, name) for name in BLOCK_FIELDS if getattr(self, name) is not None}
+
+  def block_array_shapes(self) -> dict:
+    """Field name -> (shape, numpy dtype) of block_arrays(), for host-side stores."""
+    return {name: (tuple(x.shape), np.dtype(x.dtype)) for name, x in self.block_arrays().items()}
 
   @property
   def num_blocks(self) -> int:
@@ -107,6 +123,18 @@ def init_pool(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=
                    max_sequences + 1)
   return KVPool(**{name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()},
                 scheme=kv_quant)
+
+
+def init_model_pool(model_cfg, num_blocks: int, block_size: int, kv_quant: quant.KVQuantConfig,
+                    max_sequences: int, mesh=None) -> KVPool:
+  """An all-zero pool for a model (ModelConfig). With a mesh it is created already split over KV
+  heads: each device allocates only its shard (a pool sized for the whole mesh need not fit on
+  one device first)."""
+  make = lambda: init_pool(model_cfg.num_layers, num_blocks, model_cfg.num_kv_heads, block_size,
+                           model_cfg.head_dim, kv_quant=kv_quant, max_sequences=max_sequences)
+  if mesh is None:
+    return make()
+  return sharding.empty_pool_like(jax.eval_shape(make), mesh, model_cfg.num_kv_heads)
 
 
 def pool_bytes(num_layers, num_blocks, num_kv_heads, block_size, head_dim,

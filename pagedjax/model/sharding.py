@@ -44,12 +44,6 @@ HEADS_SPEC = P(None, None, AXIS, None)
 REPLICATED = P()
 
 
-def mesh_model(config) -> int:
-  """config.mesh.model, or 1 for configs written before the mesh field existed."""
-  mesh = config.get('mesh', None)
-  return 1 if mesh is None else mesh.get('model', 1)
-
-
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------

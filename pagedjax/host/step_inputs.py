@@ -8,16 +8,15 @@ blocks per row rounded up to a bucket), so a long run compiles a handful of time
   - padded rows have context_len 0 and no real queries; their sampled token is ignored.
 """
 import dataclasses
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
-import flax.struct
 import numpy as np
 
-from pagedjax.pool import NULL_BLOCK
+from pagedjax.host.allocator import NULL_BLOCK
 
 
-@flax.struct.dataclass
-class StepInputs:
+class StepInputs(NamedTuple):
+  """A NamedTuple, so JAX takes it as a pytree of arrays without the host importing jax."""
   tokens: np.ndarray        # [B, T] int32
   positions: np.ndarray     # [B, T] int32, absolute position of each query, -1 = padding
   slot_mapping: np.ndarray  # [B, T] int32, slot receiving each query token's K/V
@@ -61,6 +60,14 @@ def power_of_two_buckets(max_value: int, min_value: int = 1) -> List[int]:
     out.append(b)
     b *= 2
   out.append(max_value)
+  return out
+
+
+def padded_ids(ids: Sequence[int], buckets: Sequence[int]) -> np.ndarray:
+  """Block ids padded with the null block to the smallest bucket >= len(ids) (block copies and
+  transfers: pagedjax/device/block_transfer.py)."""
+  out = np.full(bucket(len(ids), buckets), NULL_BLOCK, np.int32)
+  out[:len(ids)] = ids
   return out
 
 

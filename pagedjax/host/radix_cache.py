@@ -18,7 +18,7 @@ prefix_cache.py (CacheBase).
 """
 from typing import Dict, List, Optional, Tuple
 
-from pagedjax.prefix_cache import CacheBase
+from pagedjax.host.prefix_cache import CacheBase
 
 
 class _Node:

@@ -29,9 +29,9 @@ the jitted steps).
 import dataclasses
 from typing import List, Optional, Tuple
 
-from pagedjax.allocator import BlockAllocator
-from pagedjax.block_manager import BlockManager
-from pagedjax.sequence import Sequence, Status
+from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host.block_manager import BlockManager
+from pagedjax.host.sequence import Sequence, Status
 
 PREEMPTION_POLICIES = ('recompute', 'swap')
 

@@ -25,8 +25,8 @@ Sharing (either kind):
 import math
 from typing import List, Optional, Tuple
 
-from pagedjax.allocator import BlockAllocator
-from pagedjax.sequence import Sequence
+from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host.sequence import Sequence
 
 KINDS = ('paged', 'contiguous')
 

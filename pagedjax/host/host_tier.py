@@ -1,0 +1,33 @@
+"""The host-RAM tier: numpy copies of blocks moved off the device (swap preemption).
+
+Which host block holds what is the scheduler's bookkeeping, through `allocator`; this class only
+stores and returns block contents. It is created from the pool's per-block array shapes
+(`KVPool.block_array_shapes()`: field name -> (shape, dtype) with the block axis at 1), so it
+holds codes, scales and zero points exactly as the device stores them. The device side of a
+transfer (one jitted gather or scatter per iteration) is pagedjax/device/block_transfer.py.
+"""
+from typing import Dict, Sequence, Tuple
+
+import numpy as np
+
+from pagedjax.host.allocator import BlockAllocator
+
+
+class HostTier:
+
+  def __init__(self, block_array_shapes: Dict[str, Tuple[tuple, np.dtype]], num_blocks: int):
+    """num_blocks: host blocks to hold; host block 0 stays unused, like the device's null block."""
+    self.allocator = BlockAllocator(num_blocks + 1)
+    self._store = {name: np.zeros((shape[0], num_blocks + 1) + tuple(shape[2:]), dtype)
+                   for name, (shape, dtype) in block_array_shapes.items()}
+
+  def store(self, host_ids: Sequence[int], data: Dict[str, np.ndarray]) -> None:
+    """Writes data[name][:, i] into host block host_ids[i] (data may carry padding columns)."""
+    for name, array in self._store.items():
+      array[:, list(host_ids)] = np.asarray(data[name])[:, :len(host_ids)]
+
+  def load(self, host_ids: Sequence[int], padded_len: int) -> Dict[str, np.ndarray]:
+    """Field name -> [layers, padded_len, ...]: the blocks host_ids, padded with host block 0."""
+    rows = np.zeros(padded_len, np.int64)
+    rows[:len(host_ids)] = host_ids
+    return {name: array[:, rows] for name, array in self._store.items()}

@@ -1,0 +1,1 @@
+"""The model: Flax Llama, weight import, tokenizer, tensor-parallel sharding."""
