@@ -40,8 +40,8 @@ from pagedjax.model.llama import ModelConfig
 
 __all__ = ['Engine', 'RequestError']
 
-# run() gives up after this many iterations in a row that compute nothing (a stall, e.g. beams
-# waiting on a preempted sibling that can never be readmitted), instead of looping forever.
+# After this many iterations in a row that compute nothing (a stall: a bug, since admission and
+# the submit checks are meant to rule it out), run() fails one request and keeps serving.
 MAX_IDLE_ITERATIONS = 1000
 # The engine's own counters that summary() reports next to the metrics.
 SUMMARY_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
@@ -241,11 +241,34 @@ class Engine:
       before = self._progress()
       self.step()
       idle = 0 if self._progress() != before else idle + 1
-      if idle >= MAX_IDLE_ITERATIONS:  # a scheduling bug or a pool too small to make progress
-        raise RuntimeError(
-            f'no progress in {idle} iterations: {len(self.running)} running, '
-            f'{len(self.scheduler.waiting)} waiting, {self.allocator.num_free} free blocks')
+      if idle >= MAX_IDLE_ITERATIONS:
+        self._abort_stalled()
+        idle = 0
     return [self.finished[i] for i in ids]
+
+  def _abort_stalled(self) -> None:
+    """The engine made no progress for MAX_IDLE_ITERATIONS iterations (admission and the submit
+    checks are meant to rule this out): fail the request at the head of the queues, or the
+    newest running one, releasing its blocks, so that the others keep being served."""
+    queues = (self.scheduler.waiting, self.scheduler.swapped, self.running[::-1])
+    victim = next(queue[0] for queue in queues if queue)
+    self.stats['aborted'] += 1
+    if victim.beam is not None:
+      group = victim.beam
+      for beam in [b for b in group.live if b is not group.leader] + [group.leader]:
+        self.scheduler.abort(beam)
+        self.lanes.release(beam)
+      if group in self.beams.groups:
+        self.beams.groups.remove(group)
+      self._complete(group.leader, group.leader.output_ids, 'aborted', group.num_preemptions,
+                     now=self.clock)
+      return
+    for seq in [victim] + victim.forks:  # samples not yet forked go with their leader
+      self.scheduler.abort(seq)
+      self.lanes.release(seq)
+      seq.status = Status.FINISHED
+      self._complete(seq, seq.output_ids, 'aborted', seq.num_preemptions, now=self.clock)
+    victim.forks = []
 
   def _progress(self) -> tuple:
     """What an iteration that does any work changes: tokens cached, generated, finished."""

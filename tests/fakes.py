@@ -22,14 +22,29 @@ def next_token(last: int, length: int) -> int:
   return (last * 31 + length * 7 + 3) % VOCAB
 
 
+def candidates(last: int, length: int, k: int):
+  """A beam row's k best (token ids, log-probs), a fixed function like next_token: distinct ids,
+  best first, log-probs that depend on the row so beams rank differently."""
+  ids = [(next_token(last, length) + 13 * j) % VOCAB for j in range(k)]
+  logprobs = [-0.5 * (j + 1) - 0.1 * ((last * 7 + length) % 5) for j in range(k)]
+  return ids, logprobs
+
+
 class FakeStep:
   return_logits = False
   num_compilations = 0
 
-  def __init__(self, on_call=None, check_inputs=None):
+  def __init__(self, on_call=None, check_inputs=None, topk=0):
     self.on_call = on_call  # e.g. advance a fake clock, as device time would
     self.check_inputs = check_inputs  # sees each call's StepInputs (e.g. which slots it writes)
     self.calls = []  # (rows, query tokens) of each call's real rows
+    self.topk = topk
+
+  def with_topk(self, k: int) -> 'FakeStep':
+    """The beam-search variant: also returns each row's k candidates (as CompiledStep does)."""
+    step = FakeStep(self.on_call, self.check_inputs, topk=k)
+    step.calls = self.calls
+    return step
 
   def __call__(self, params, pool, inputs):
     if self.on_call:
@@ -39,8 +54,12 @@ class FakeStep:
     real = inputs.context_lens > 0
     self.calls.append((int(real.sum()), int((inputs.positions >= 0).sum())))
     last = inputs.tokens[np.arange(len(inputs.logits_index)), inputs.logits_index]
-    return pool, np.asarray([next_token(t, n) for t, n in zip(last, inputs.context_lens)],
-                            np.int32)
+    tokens = np.asarray([next_token(t, n) for t, n in zip(last, inputs.context_lens)], np.int32)
+    if not self.topk:
+      return pool, tokens
+    cands = [candidates(t, n, self.topk) for t, n in zip(last, inputs.context_lens)]
+    return (pool, tokens, np.asarray([c[0] for c in cands], np.int32),
+            np.asarray([c[1] for c in cands], np.float32))
 
 
 def expected_outputs(prompt, max_new_tokens, max_seq_len):

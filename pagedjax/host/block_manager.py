@@ -68,6 +68,11 @@ class BlockManager:
     headroom = self.watermark_blocks if watermark else 0
     return self.allocator.can_allocate(self._short(seq) + headroom)
 
+  def can_allocate_all(self, seqs: List[Sequence], watermark: bool = True) -> bool:
+    """Room for every one of seqs at once (a beam group coming back), prefix hits not counted."""
+    headroom = self.watermark_blocks if watermark else 0
+    return self.allocator.can_allocate(sum(self._short(s) for s in seqs) + headroom)
+
   def allocate(self, seq: Sequence) -> List[int]:
     """Gives seq its missing blocks; returns them (swap-in fills the first ones)."""
     new = self.allocator.allocate(self._short(seq))

@@ -66,12 +66,16 @@ class RequestIntake:
         raise RequestError(f'{name}={width}: a group shares blocks, which a recent-window '
                            'pool cannot')
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
-    needed = self.blocks.blocks_for(longest)
+    # Beams run (and come back from preemption) together, each with all of its blocks: after a
+    # recompute or swap they share nothing, so the group must fit k times over.
+    copies = max(params.beam_width, 1)
+    needed = copies * self.blocks.blocks_for(longest)
     if needed > self.blocks.allocator.num_blocks - 1:
+      group = f' for {copies} beams' if copies > 1 else ''
       raise RequestError(
-          f'request needs up to {needed} blocks of {self.blocks.block_size} tokens '
-          f'({longest} tokens) but the pool has only {self.blocks.allocator.num_blocks - 1}: '
-          'it can never fit')
+          f'request needs up to {needed} blocks of {self.blocks.block_size} tokens{group} '
+          f'({longest} tokens{" each" if copies > 1 else ""}) but the pool has only '
+          f'{self.blocks.allocator.num_blocks - 1}: it can never fit')
 
   def arrival(self, arrival_time) -> float:
     """A requested arrival time as engine-clock seconds."""

@@ -1,6 +1,8 @@
 """What a request asks of sampling: plain, validated parameters (the device side samples with
 them inside the jitted step, pagedjax/device/sampling.py)."""
 import dataclasses
+import math
+import numbers
 from typing import Optional
 
 
@@ -27,22 +29,42 @@ class SamplingParams:
   length_penalty: float = 0.0
 
   def validate(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f'max_new_tokens={self.max_new_tokens!r} is not allowed: an integer >= 1')
-    if not self.temperature >= 0:
-      raise ValueError(f'temperature={self.temperature!r} is not allowed: a number >= 0 (0 is greedy)')
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f'top_k={self.top_k!r} is not allowed: an integer >= 0 (0 disables it)')
-    if not 0 < self.top_p <= 1:
-      raise ValueError(f'top_p={self.top_p!r} is not allowed: a number in (0, 1] (1 disables it)')
-    if not isinstance(self.n, int) or self.n < 1:
-      raise ValueError(f'n={self.n!r} is not allowed: an integer >= 1 (parallel samples)')
-    if not isinstance(self.beam_width, int) or self.beam_width < 0:
-      raise ValueError(f'beam_width={self.beam_width!r} is not allowed: an integer >= 0 '
-                       '(0 is off)')
+    """Raises ValueError naming the first field whose type or range is not allowed. Ranges are
+    what the step can carry: seeds (with the per-sample offsets seed + i) and top_k travel as
+    int32."""
+    _integer('max_new_tokens', self.max_new_tokens, 1, INT32_MAX, 'an integer >= 1')
+    _number('temperature', self.temperature, 'a finite number >= 0 (0 is greedy)')
+    _integer('top_k', self.top_k, 0, INT32_MAX, f'an integer in [0, {INT32_MAX}] (0 disables it)')
+    _number('top_p', self.top_p, 'a number in (0, 1] (1 disables it)', low=0, closed_low=False,
+            high=1)
+    _integer('n', self.n, 1, INT32_MAX, 'an integer >= 1 (parallel samples)')
+    _integer('seed', self.seed, INT32_MIN, INT32_MAX - (self.n - 1),
+             f'an integer in [{INT32_MIN}, {INT32_MAX - (self.n - 1)}] (sample i of n={self.n} '
+             'draws with seed + i, an int32)')
+    if not isinstance(self.stop_on_eos, bool):
+      raise ValueError(f'stop_on_eos={self.stop_on_eos!r} is not allowed: True or False')
+    if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+      raise ValueError(f'cache_salt={self.cache_salt!r} is not allowed: None or a string')
+    _integer('beam_width', self.beam_width, 0, INT32_MAX, 'an integer >= 0 (0 is off)')
     if self.beam_width and (self.n > 1 or self.temperature > 0):
       raise ValueError(f'beam_width={self.beam_width} is not allowed with n={self.n} or '
                        f'temperature={self.temperature}: beam search is deterministic and '
                        'returns its beams itself')
-    if not self.length_penalty >= 0:
-      raise ValueError(f'length_penalty={self.length_penalty!r} is not allowed: a number >= 0')
+    _number('length_penalty', self.length_penalty, 'a finite number >= 0')
+
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def _integer(name, value, low, high, allowed):
+  # numbers.Integral covers numpy integers; bool is an int in Python but never a count here.
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not (
+      low <= value <= high):
+    raise ValueError(f'{name}={value!r} is not allowed: {allowed}')
+
+
+def _number(name, value, allowed, low=0, closed_low=True, high=math.inf):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    raise ValueError(f'{name}={value!r} is not allowed: {allowed}')
+  if not (value >= low if closed_low else value > low) or value > high:
+    raise ValueError(f'{name}={value!r} is not allowed: {allowed}')

@@ -143,34 +143,53 @@ class Scheduler:
         if copy:
           plan.copies.append(copy)
 
+  def _head_unit(self, queue: List[Sequence]) -> List[Sequence]:
+    """The queue's head and, for a beam, its siblings in the same queue: beams decode in
+    lockstep, so they come back together or not at all (one beam running while its sibling
+    waits for the blocks that beam holds would stall the group for good)."""
+    head = queue[0]
+    if head.beam is None:
+      return [head]
+    return [s for s in queue if s.beam is head.beam]
+
+  def _fits(self, unit: List[Sequence], waiting: bool) -> bool:
+    if len(unit) == 1:
+      fits = self.blocks.can_admit if waiting else self.blocks.can_allocate
+      return fits(unit[0], watermark=bool(self.running))
+    return self.blocks.can_allocate_all(unit, watermark=bool(self.running))
+
   def _swap_in(self, plan: Plan) -> None:
-    while self.swapped and self._rows_used() + self.swapped[0].width <= self.max_batch_size:
-      seq = self.swapped[0]
-      if not self.blocks.can_allocate(seq, watermark=bool(self.running)):
+    while self.swapped:
+      unit = self._head_unit(self.swapped)
+      if (self._rows_used() + sum(s.width for s in unit) > self.max_batch_size or
+          not self._fits(unit, waiting=False)):
         break
-      self.swapped.pop(0)
-      device = self.blocks.allocate(seq)
-      if seq.host_blocks:
-        plan.swap_in.append((seq.host_blocks, device[:len(seq.host_blocks)]))
-      # Freed now, copied by the engine before anything reuses them: no swap-out happens in an
-      # iteration that swaps in (step 2 runs only when step 1 preempted nobody).
-      self.host.free(seq.host_blocks)
-      seq.host_blocks = []
-      seq.status = Status.RUNNING
-      _insert(self.running, seq)
+      for seq in unit:
+        self.swapped.remove(seq)
+        device = self.blocks.allocate(seq)
+        if seq.host_blocks:
+          plan.swap_in.append((seq.host_blocks, device[:len(seq.host_blocks)]))
+        # Freed now, copied by the engine before anything reuses them: no swap-out happens in
+        # an iteration that swaps in (step 2 runs only when step 1 preempted nobody).
+        self.host.free(seq.host_blocks)
+        seq.host_blocks = []
+        seq.status = Status.RUNNING
+        _insert(self.running, seq)
 
   def _admit(self, plan: Plan, budget: int) -> None:
-    while (self.waiting and self._rows_used() + self.waiting[0].width <= self.max_batch_size
-           and budget > 0):
-      seq = self.waiting[0]
-      if not self.blocks.can_admit(seq, watermark=bool(self.running)):
+    while self.waiting and budget > 0:
+      unit = self._head_unit(self.waiting)
+      if self._rows_used() + sum(s.width for s in unit) > self.max_batch_size:
+        break
+      if not self._fits(unit, waiting=True):
         plan.memory_blocked = True
         break
-      self.waiting.pop(0)
-      self.blocks.admit(seq)
-      seq.status = Status.RUNNING
-      _insert(self.running, seq)
-      budget -= self._add_chunk(plan, seq, budget)
+      for seq in unit:
+        self.waiting.remove(seq)
+        self.blocks.admit(seq)
+        seq.status = Status.RUNNING
+        _insert(self.running, seq)
+        budget -= self._add_chunk(plan, seq, budget)
 
   def _add_chunk(self, plan: Plan, seq: Sequence, budget: int) -> int:
     """Adds seq's next prompt chunk (none for a leader whose forks are due); returns its size.
@@ -183,14 +202,34 @@ class Scheduler:
   # ---- preemption ------------------------------------------------------------------------
 
   def _preempt(self, seq: Sequence, plan: Plan) -> None:
-    """Swap when the policy says so and the host tier has room; otherwise recompute."""
+    """Swap when the policy says so and the host tier has room; otherwise recompute. A beam's
+    running siblings go with it (beams come back together, see _head_unit)."""
+    unit = [seq] if seq.beam is None else [s for s in self.running if s.beam is seq.beam]
+    # A group swaps only if the host tier holds all of it: half swapped, half waiting, its beams
+    # could come back at different times.
+    swap = self.preemption == 'swap' and self.host.can_allocate(
+        sum(self.blocks.blocks_for(s.num_cached) for s in unit))
+    for member in unit:
+      self._preempt_one(member, plan, swap)
+
+  def abort(self, seq: Sequence) -> None:
+    """Takes seq out of whichever queue holds it and frees its device and host blocks."""
+    for queue in (self.waiting, self.running, self.swapped):
+      if seq in queue:
+        queue.remove(seq)
+    self.blocks.deallocate(seq)
+    if seq.host_blocks:
+      self.host.free(seq.host_blocks)
+      seq.host_blocks = []
+
+  def _preempt_one(self, seq: Sequence, plan: Plan, swap: bool) -> None:
     self.running.remove(seq)
     seq.num_preemptions += 1
     # Its copy-on-write copies of this iteration are void: their targets go back to the pool.
     # Until those copies run, the shared originals hold its data (swap-out reads them).
     undone = {new: old for old, new in plan.copies if new in seq.block_table}
     plan.copies = [c for c in plan.copies if c[1] not in undone]
-    if self.preemption == 'swap' and self._swap_out(seq, plan, undone):
+    if swap and self._swap_out(seq, plan, undone):
       plan.preempted.append((seq, 'swap'))
       return
     self.blocks.deallocate(seq)
