@@ -1,25 +1,18 @@
 """The engine: the decode loop that joins host bookkeeping and device steps.
 
 Each iteration (`step`): release the requests whose arrival time has come (host/intake.py), let
-the scheduler plan the iteration (host/scheduler.py: queues, admission, token budget,
-preemption), hand lanes to new running sequences (host/lanes.py), run the plan on the device
-(executor.py: block transfers and copies, then the jitted steps over the KV pool), then append
-the sampled tokens, record the iteration's metrics, retire finished requests and advance beam
-groups (host/beam_search.py).
+the scheduler plan the iteration (host/scheduler.py), hand lanes to new running sequences
+(host/lanes.py), run the plan on the device (executor.py: block transfers and copies, then the
+jitted steps over the KV pool), append the sampled tokens, record the iteration's metrics
+(host/metrics.py), retire finished requests and advance beam groups (host/beam_search.py).
 
-Clock: `clock` is simulated seconds, the measured time of the engine's own iterations with
-compilation excluded (a one-off cost that would otherwise tax whichever run meets more shapes)
-and idle gaps jumped to the next arrival rather than slept.
-
-Sharing: with prefix caching, full blocks are cached across requests (host/prefix_cache.py) and a
-prompt's cached prefix skips prefill. `SamplingParams(n=k)` submits k samples of one prompt:
-request ids id..id+k-1 (submit returns the first), one prefill, blocks shared until written.
-`SamplingParams(beam_width=k)` runs beam search: one request id, one prefill, then k beams that
-fork and free as the search keeps and drops them.
+`clock` is simulated seconds: the measured time of the engine's own iterations without
+compilation (a one-off cost that would tax whichever run meets more shapes), idle gaps jumped
+to the next arrival rather than slept.
 """
 import collections
 import time
-from typing import Callable, Dict, List, Optional, Sequence as Seq, Union
+from typing import Callable, List, Optional, Sequence as Seq, Union
 
 from pagedjax.config import Config
 from pagedjax.device import pool as pool_lib
@@ -28,8 +21,9 @@ from pagedjax.executor import PlanExecutor
 from pagedjax.host.allocator import BlockAllocator
 from pagedjax.host.beam_search import BeamSearch
 from pagedjax.host.block_manager import BlockManager
+from pagedjax.host.completions import Completions
 from pagedjax.host.host_tier import HostTier
-from pagedjax.host.intake import RequestError, RequestIntake
+from pagedjax.host.intake import RequestError, RequestIntake  # pylint: disable=unused-import
 from pagedjax.host.lanes import Lanes
 from pagedjax.host.metrics import Metrics
 from pagedjax.host.prefix_cache import make_prefix_cache
@@ -38,15 +32,9 @@ from pagedjax.host.scheduler import Scheduler
 from pagedjax.host.sequence import Completion, Sequence, Status
 from pagedjax.model.llama import ModelConfig
 
-__all__ = ['Engine', 'RequestError']
-
 # After this many iterations in a row that compute nothing (a stall: a bug, since admission and
 # the submit checks are meant to rule it out), run() fails one request and keeps serving.
 MAX_IDLE_ITERATIONS = 1000
-# The engine's own counters that summary() reports next to the metrics.
-SUMMARY_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
-                    'swapped_out_blocks', 'swapped_in_blocks', 'forks', 'cow_copies',
-                    'prompt_tokens_submitted', 'prompt_tokens_computed')
 
 
 class Engine:
@@ -75,10 +63,8 @@ class Engine:
         watermark_blocks=int(sched.watermark * (pool_cfg.num_blocks - 1)))
     pool = pool_lib.init_model_pool(model_cfg, pool_cfg.num_blocks, pool_cfg.block_size,
                                     pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
-    tier = None
-    if sched.preemption == 'swap':
-      tier = HostTier(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks - 1)
-    self.tier = tier
+    self.tier = tier = (HostTier(pool.block_array_shapes(), sched.swap_blocks or
+                                 pool_cfg.num_blocks - 1) if sched.preemption == 'swap' else None)
     self.scheduler = Scheduler(
         self.block_manager, max_batch_size=eng.max_batch_size, prefill_chunk=eng.prefill_chunk,
         max_num_batched_tokens=(sched.max_num_batched_tokens or
@@ -99,9 +85,8 @@ class Engine:
     self.metrics = Metrics(pool_cfg.block_size, pool_cfg.num_blocks)
     self.clock = 0.0
     self._timer = timer
-    self._live: Dict[int, Sequence] = {}
-    self.finished: Dict[int, Completion] = {}
-    self._logits: Dict[int, list] = collections.defaultdict(list)
+    self.completions = Completions(self.metrics, tokenizer)
+    self.finished = self.completions.finished  # request id -> Completion
 
   @property
   def pool(self):
@@ -127,18 +112,15 @@ class Engine:
     return self._queue(self._checked(prompt, params, arrival_time))
 
   def _checked(self, prompt, params, arrival_time) -> tuple:
-    ids = self.intake.tokens(prompt)
-    self.intake.check(ids, params)
-    arrival = self.clock if arrival_time is None else self.intake.arrival(arrival_time)
-    return ids, params, arrival
+    return self.intake.checked(prompt, params, self.clock if arrival_time is None else
+                               arrival_time)
 
   def _queue(self, request: tuple) -> int:
     ids, params, arrival = request
     group = self.intake.admit(ids, params, arrival)
     if group[0].beam:
       self.beams.groups.append(group[0].beam)
-    for seq in group:
-      self._live[seq.request_id] = seq
+    self.completions.track(group)
     self.stats['prompt_tokens_submitted'] += len(ids)
     self._release_arrivals()
     return group[0].request_id
@@ -172,13 +154,17 @@ class Engine:
     self.metrics.record_step(
         t=now, running=self.running, num_waiting=len(self.scheduler.waiting),
         num_swapped=len(self.scheduler.swapped), free_blocks=self.allocator.num_free,
-        memory_blocked=plan.memory_blocked,
-        prefill_tokens=sum(n for _, n in plan.rows if n > 1),
-        decode_tokens=sum(1 for _, n in plan.rows if n == 1),
+        memory_blocked=plan.memory_blocked, prefill_tokens=plan.num_prefill_tokens,
+        decode_tokens=plan.num_decode_tokens,
         host_s=now - self.clock - timing['device'], device_s=timing['device'],
         compile_s=timing['compile'])
-    completions = [self._retire(seq, reason, now) for seq, reason in finishing if reason]
-    completions += [self._retire_beams(group, now) for group in self.beams.advance(now)]
+    completions = []
+    for seq, reason in finishing:
+      if reason:
+        self.scheduler.finish(seq)
+        self.lanes.release(seq)
+        completions.append(self.completions.of_sequence(seq, reason, now))
+    completions += [self.completions.of_beams(group, now) for group in self.beams.advance(now)]
     self.stats['device_seconds'] += timing['device']
     self.stats['compile_seconds'] += timing['compile']
     self.clock = now
@@ -189,44 +175,10 @@ class Engine:
     seq.output_ids.append(token)
     self.stats['generated_tokens'] += 1
     if logits is not None:
-      self._logits[seq.request_id].append(logits)
+      self.completions.logits[seq.request_id].append(logits)
     if seq.first_token_time is None:
       seq.first_token_time = now
-    if seq.params.stop_on_eos and self.eos_id is not None and token == self.eos_id:
-      return 'eos'
-    if len(seq.output_ids) >= seq.params.max_new_tokens:
-      return 'length'
-    if seq.num_tokens >= self.max_seq_len:
-      return 'max_seq_len'
-    return None
-
-  def _retire(self, seq: Sequence, reason: str, now: float) -> Completion:
-    self.scheduler.finish(seq)
-    self.lanes.release(seq)
-    seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, now
-    return self._complete(seq, seq.output_ids, reason, seq.num_preemptions,
-                          logits=self._logits.pop(seq.request_id, None), now=now)
-
-  def _retire_beams(self, group, now: float) -> Completion:
-    """A finished beam group's Completion: its best hypothesis, with all k (output ids, score)
-    best first in `beams`."""
-    leader, best = group.leader, group.best()
-    leader.status, leader.finish_reason, leader.finish_time = (Status.FINISHED,
-                                                               best[0].finish_reason, now)
-    return self._complete(leader, best[0].output_ids, best[0].finish_reason,
-                          group.num_preemptions, now=now, score=best[0].score,
-                          beams=[(h.output_ids, h.score) for h in best])
-
-  def _complete(self, seq: Sequence, output_ids, reason, preemptions, *, now, logits=None,
-                **extra) -> Completion:
-    del self._live[seq.request_id]
-    text = self.tokenizer.decode(output_ids) if self.tokenizer else None
-    done = Completion(seq.request_id, seq.prompt_ids, output_ids, reason, preemptions, text,
-                      logits, seq.arrival_time, seq.first_token_time, now, seq.group_id,
-                      **extra)
-    self.finished[seq.request_id] = done
-    self.metrics.record_finish(done)
-    return done
+    return seq.finish_reason_now(self.eos_id, self.max_seq_len)
 
   # ---- driving -----------------------------------------------------------------------------
 
@@ -235,7 +187,7 @@ class Engine:
 
   def run(self) -> List[Completion]:
     """Step until every submitted request has finished; completions in submission order."""
-    ids = sorted(self._live)
+    ids = sorted(self.completions.live)
     idle = 0
     while self.has_work():
       before = self._progress()
@@ -247,28 +199,20 @@ class Engine:
     return [self.finished[i] for i in ids]
 
   def _abort_stalled(self) -> None:
-    """The engine made no progress for MAX_IDLE_ITERATIONS iterations (admission and the submit
-    checks are meant to rule this out): fail the request at the head of the queues, or the
-    newest running one, releasing its blocks, so that the others keep being served."""
-    queues = (self.scheduler.waiting, self.scheduler.swapped, self.running[::-1])
-    victim = next(queue[0] for queue in queues if queue)
+    """No progress for MAX_IDLE_ITERATIONS iterations (admission and the submit checks are meant
+    to rule this out): fail one stuck unit of sequences, releasing its blocks, and go on."""
+    unit = self.scheduler.stalled_unit()
     self.stats['aborted'] += 1
-    if victim.beam is not None:
-      group = victim.beam
-      for beam in [b for b in group.live if b is not group.leader] + [group.leader]:
-        self.scheduler.abort(beam)
-        self.lanes.release(beam)
-      if group in self.beams.groups:
-        self.beams.groups.remove(group)
-      self._complete(group.leader, group.leader.output_ids, 'aborted', group.num_preemptions,
-                     now=self.clock)
-      return
-    for seq in [victim] + victim.forks:  # samples not yet forked go with their leader
+    for seq in unit:
       self.scheduler.abort(seq)
       self.lanes.release(seq)
       seq.status = Status.FINISHED
-      self._complete(seq, seq.output_ids, 'aborted', seq.num_preemptions, now=self.clock)
-    victim.forks = []
+    group = unit[0].beam
+    if group is not None:
+      self.beams.groups.remove(group)
+      unit = [group.leader]
+    for seq in unit:
+      self.completions.aborted(seq, self.clock)
 
   def _progress(self) -> tuple:
     """What an iteration that does any work changes: tokens cached, generated, finished."""
@@ -295,20 +239,11 @@ class Engine:
     return self.pool.bytes_per_token
 
   def summary(self) -> dict:
-    """The run's figures (host/metrics.py) with the engine's own counters."""
-    out = self.metrics.summary()
-    out.update({k: self.stats[k] for k in SUMMARY_COUNTERS})
-    submitted = self.stats['prompt_tokens_submitted']
-    out['prefill_tokens_saved_fraction'] = (
-        1 - self.stats['prompt_tokens_computed'] / submitted if submitted else None)
-    out['prefix_caching'] = self.prefix_cache is not None
-    if self.prefix_cache is not None:
-      out.update(self.prefix_cache.figures(), prefix_cache_eviction=self.prefix_cache.eviction,
-                 prefix_cache_design=self.config.prefix_cache.design)
-    out.update(pool_kind=self.config.pool.kind, preemption=self.config.scheduler.preemption,
-               block_size=self.block_size, num_blocks=self.allocator.num_blocks,
-               kv_bytes_per_token=self.kv_bytes_per_token, kv_pool_bytes=self.pool.nbytes,
-               peak_blocks_used=self.metrics.peak_blocks_used(),
-               kv_utilization_at_peak=self.metrics.utilization_at_peak(),
-               num_compilations=self.num_compilations)
-    return out
+    """The run's figures (host/metrics.py) with the engine's counters and settings."""
+    cfg = self.config
+    extra = {'prefix_cache_design': cfg.prefix_cache.design} if self.prefix_cache else {}
+    return self.metrics.engine_summary(
+        self.stats, self.prefix_cache, pool_kind=cfg.pool.kind,
+        preemption=cfg.scheduler.preemption, block_size=self.block_size,
+        num_blocks=self.allocator.num_blocks, kv_bytes_per_token=self.kv_bytes_per_token,
+        kv_pool_bytes=self.pool.nbytes, num_compilations=self.num_compilations, **extra)

@@ -15,7 +15,7 @@ compilation out.
 """
 import collections
 import math
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np

@@ -77,6 +77,12 @@ class RequestIntake:
           f'({longest} tokens{" each" if copies > 1 else ""}) but the pool has only '
           f'{self.blocks.allocator.num_blocks - 1}: it can never fit')
 
+  def checked(self, prompt, params: SamplingParams, arrival_time) -> tuple:
+    """(token ids, params, arrival) of a request that passed every check."""
+    ids = self.tokens(prompt)
+    self.check(ids, params)
+    return ids, params, self.arrival(arrival_time)
+
   def arrival(self, arrival_time) -> float:
     """A requested arrival time as engine-clock seconds."""
     if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float, np.number)) \

@@ -27,6 +27,10 @@ import numpy as np
 
 from pagedjax.host.sequence import Completion, Sequence
 
+# The engine's own counters that engine_summary() reports next to the metrics.
+ENGINE_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
+                   'swapped_out_blocks', 'swapped_in_blocks', 'forks', 'cow_copies',
+                   'prompt_tokens_submitted', 'prompt_tokens_computed', 'aborted')
 WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle')
 
 
@@ -75,7 +79,8 @@ class Metrics:
       raise RuntimeError(f'slot accounting {usage} does not add up to the pool\'s '
                          f'{self.capacity} slots')
     row = dict(usage, t=t, running=len(running),
-               logical_slots=logical_slots(running, self.block_size), waiting=num_waiting, swapped=num_swapped,
+               logical_slots=logical_slots(running, self.block_size), waiting=num_waiting,
+               swapped=num_swapped,
                prefill_tokens=prefill_tokens, decode_tokens=decode_tokens, host_s=host_s,
                device_s=device_s, compile_s=compile_s)
     for key, value in row.items():
@@ -138,6 +143,21 @@ class Metrics:
       out['kv_sharing_saved_fraction'] = (
           float(1 - self._reserved().sum() / logical) if logical else 0.0)
     out.update(self._request_figures())
+    return out
+
+  def engine_summary(self, counters: Dict[str, int], prefix_cache=None, **fields) -> dict:
+    """summary() with the engine's counters (ENGINE_COUNTERS), what prefix caching saved, the
+    cache's own figures, the peak memory sample and `fields` (the engine's settings)."""
+    out = self.summary()
+    out.update({k: counters[k] for k in ENGINE_COUNTERS})
+    submitted = counters['prompt_tokens_submitted']
+    out['prefill_tokens_saved_fraction'] = (
+        1 - counters['prompt_tokens_computed'] / submitted if submitted else None)
+    out['prefix_caching'] = prefix_cache is not None
+    if prefix_cache is not None:
+      out.update(prefix_cache.figures(), prefix_cache_eviction=prefix_cache.eviction)
+    out.update(peak_blocks_used=self.peak_blocks_used(),
+               kv_utilization_at_peak=self.utilization_at_peak(), **fields)
     return out
 
   def _request_figures(self) -> dict:

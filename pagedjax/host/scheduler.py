@@ -48,6 +48,14 @@ class Plan:
   # (shared block, private copy), made on the device after swap-out, before the steps
   forked: List[Sequence] = dataclasses.field(default_factory=list)  # samples split off now
 
+  @property
+  def num_prefill_tokens(self) -> int:
+    return sum(n for _, n in self.rows if n > 1)
+
+  @property
+  def num_decode_tokens(self) -> int:
+    return sum(1 for _, n in self.rows if n == 1)
+
 
 def _insert(queue: List[Sequence], seq: Sequence) -> None:
   """Insert keeping FCFS order (queues are short; a sort is the clearest way)."""
@@ -211,6 +219,16 @@ class Scheduler:
         sum(self.blocks.blocks_for(s.num_cached) for s in unit))
     for member in unit:
       self._preempt_one(member, plan, swap)
+
+  def stalled_unit(self) -> List[Sequence]:
+    """What to fail when nothing progresses: the waiting head, else the swapped head, else the
+    newest running sequence; with its beam siblings or not yet forked samples."""
+    queue = next(q for q in (self.waiting, self.swapped, self.running[::-1]) if q)
+    head = queue[0]
+    if head.beam is None:
+      return [head] + head.forks
+    return [s for q in (self.waiting, self.swapped, self.running) for s in q
+            if s.beam is head.beam]
 
   def abort(self, seq: Sequence) -> None:
     """Takes seq out of whichever queue holds it and frees its device and host blocks."""

@@ -69,6 +69,17 @@ class Sequence:
     decoding, the one token sampled last step."""
     return self.num_tokens - self.num_cached
 
+  def finish_reason_now(self, eos_id: Optional[int], max_seq_len: int) -> Optional[str]:
+    """Why the sequence finishes after its latest token ('eos', 'length', 'max_seq_len'), or
+    None while it goes on."""
+    if self.params.stop_on_eos and eos_id is not None and self.output_ids[-1] == eos_id:
+      return 'eos'
+    if len(self.output_ids) >= self.params.max_new_tokens:
+      return 'length'
+    if self.num_tokens >= max_seq_len:
+      return 'max_seq_len'
+    return None
+
 
 @dataclasses.dataclass
 class Completion:
