@@ -37,11 +37,11 @@ def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
   return hash(block_content(parent, tokens, salt))
 
 
-def chain_keys(token_ids: Seq[int], block_size: int, num_blocks: int, salt=None,
+def chain_keys(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=None,
                parent: Optional[int] = None, start: int = 0) -> List[int]:
-  """Keys of full blocks start..num_blocks-1 of token_ids, continuing from `parent`."""
+  """Keys of full blocks start..num_full_blocks-1 of token_ids, continuing from `parent`."""
   keys = []
-  for i in range(start, num_blocks):
+  for i in range(start, num_full_blocks):
     parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
     keys.append(parent)
   return keys

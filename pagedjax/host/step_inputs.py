@@ -72,15 +72,15 @@ def padded_ids(ids: Sequence[int], buckets: Sequence[int]) -> np.ndarray:
 
 
 def build_step_inputs(rows: Sequence[RowSpec], block_size: int, batch_buckets: Sequence[int],
-                      token_buckets: Sequence[int], block_buckets: Sequence[int]) -> StepInputs:
+                      token_buckets: Sequence[int], table_width_buckets: Sequence[int]) -> StepInputs:
   num_rows = bucket(len(rows), batch_buckets)
   num_tokens = bucket(max(len(r.tokens) for r in rows), token_buckets)
-  num_blocks = bucket(max(len(r.block_table) for r in rows), block_buckets)
+  table_width = bucket(max(len(r.block_table) for r in rows), table_width_buckets)
 
   tokens = np.zeros((num_rows, num_tokens), np.int32)
   positions = np.full((num_rows, num_tokens), -1, np.int32)
   slots = np.zeros((num_rows, num_tokens), np.int32)  # slot 0 is in the null block
-  tables = np.full((num_rows, num_blocks), NULL_BLOCK, np.int32)
+  tables = np.full((num_rows, table_width), NULL_BLOCK, np.int32)
   context_lens = np.zeros(num_rows, np.int32)
   logits_index = np.zeros(num_rows, np.int32)
   temperature = np.zeros(num_rows, np.float32)
