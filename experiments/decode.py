@@ -15,21 +15,23 @@ CPU devices before the backend starts, so it works on one physical CPU device; t
 Several hosts (or processes): start the same command on every one with `--distributed` (see the
 README): jax.distributed.initialize joins them into one set of devices, the mesh spans them, and
 every process runs the same host logic on the same inputs; only process 0 writes summary.json.
+
+Before anything loads, the config is validated and the workdir created and checked writable;
+the prompts are checked against the engine (length, pool) once the tokenizer is there, before
+anything compiles. Each refuses the run with one line (experiments/cli.py).
 """
 import os
 import time
 
-from absl import app
 from absl import flags
 import jax
-from ml_collections import config_flags
 
+from experiments import cli
 from pagedjax import factory, run_info, sizing
+from pagedjax.config import Config, ConfigError
+from pagedjax.host.intake import RequestError
 from pagedjax.model import sharding
-from pagedjax.config import Config
 
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Experiment config.')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for summary.json.', required=True)
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Call jax.distributed.initialize first, to run one program over the '
     'devices of several processes or hosts (the three flags below, or auto-detection on Cloud '
@@ -78,15 +80,35 @@ def mesh_summary(engine, model_cfg, tp: int) -> dict:
   }
 
 
+def check_prompts(engine, prompts, sampling) -> None:
+  """Every prompt through the engine's own submit checks (tokens, length against
+  engine.max_seq_len, pool fit) without queuing it, so a bad one refuses the run before the
+  first pass compiles anything, naming which prompt."""
+  for i, prompt in enumerate(prompts):
+    try:
+      engine.intake.check(engine.intake.tokens(prompt), sampling)
+    except RequestError as e:
+      shown = repr(prompt) if len(repr(prompt)) <= 50 else repr(prompt)[:50] + '...'
+      raise RequestError(f'config.prompts[{i}]={shown}: {e}') from None
+
+
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   typed = Config.from_configdict(config)  # validated before anything loads
+  cli.check_model_path(typed)
+  prompts = config.get('prompts')
+  if not isinstance(prompts, (list, tuple)) or not prompts:
+    raise ConfigError(f'config.prompts={prompts!r} is not allowed: a non-empty list of prompts')
   tp = typed.mesh.model
-  # Both before anything starts the JAX backend.
+  # Both before anything starts the JAX backend (the workdir check does not start it).
   if _DISTRIBUTED.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  else:  # one process: on a CPU-only machine, fake tp CPU devices
+    writer = jax.process_index() == 0  # the only process that writes
+  else:
+    writer = True
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir) if writer else None
+  if not _DISTRIBUTED.value:  # one process: on a CPU-only machine, fake tp CPU devices
     sharding.request_cpu_devices(tp)
   t0 = time.perf_counter()
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
@@ -94,10 +116,11 @@ def main(argv):
   engine = factory.make_engine(config, model_cfg, params, tokenizer)
   del params  # on a mesh the engine holds sharded copies; let the whole ones on device 0 go
   sampling = typed.sampling
+  check_prompts(engine, prompts, sampling)
 
-  _, first_seconds, _ = run_pass(engine, config.prompts, sampling)
+  _, first_seconds, _ = run_pass(engine, prompts, sampling)
   compilations_first = engine.num_compilations
-  completions, seconds, generated = run_pass(engine, config.prompts, sampling)
+  completions, seconds, generated = run_pass(engine, prompts, sampling)
 
   print()
   for c in completions:
@@ -142,11 +165,12 @@ def main(argv):
       'config': config.to_dict(),
       **run_info.environment(),
   }
-  if jax.process_index() == 0:  # every process computed the same figures
-    path = os.path.join(_WORKDIR.value, 'summary.json')
+  if writer:  # every process computed the same figures
+    path = os.path.join(workdir, 'summary.json')
     run_info.write_json(path, summary)
     print(f'\nwrote {path}')
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.define_flags('configs/default.py', 'Experiment config.')
+  cli.run(main)

@@ -11,8 +11,8 @@ import importlib
 import json
 import os
 
-from pagedjax import factory, workloads
-from pagedjax.config import Config
+from pagedjax import factory, run_info, workloads
+from pagedjax.config import Config, ConfigError
 from pagedjax.engine import RequestError
 from pagedjax.model.llama import init_params
 from pagedjax.host.sampling_params import SamplingParams
@@ -72,8 +72,7 @@ def trace(config, workdir: str) -> dict:
   row.update(rejected_requests=len(rejected), trace_requests=len(requests),
              trace_mean_input_len=trace_figures['mean_input_len'],
              trace_mean_output_len=trace_figures['mean_output_len'])
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'timeline.json'), 'w') as f:
+  with run_info.atomic_write(os.path.join(workdir, 'timeline.json')) as f:
     json.dump({'timeline': engine.metrics.timeline(), 'rejected': rejected}, f)
   return row
 
@@ -82,11 +81,17 @@ JOBS = {'trace': trace}
 
 
 def get_job(name: str):
-  """A JOBS key, or 'package.module:function'."""
+  """A JOBS key, or 'package.module:function'; ConfigError for anything else."""
+  allowed = f"one of {tuple(JOBS)} or 'package.module:function'"
   if name in JOBS:
     return JOBS[name]
-  module, sep, fn = name.partition(':')
+  module, sep, fn = name.partition(':') if isinstance(name, str) else ('', '', '')
   if not sep:
-    raise ValueError(f'config.job={name!r} is not allowed: one of {tuple(JOBS)} or '
-                     "'package.module:function'")
-  return getattr(importlib.import_module(module), fn)
+    raise ConfigError(f'config.job={name!r} is not allowed: {allowed}')
+  try:
+    job = getattr(importlib.import_module(module), fn)
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(f'config.job={name!r} is not allowed: {allowed} that imports ({e})') from None
+  if not callable(job):
+    raise ConfigError(f'config.job={name!r} is not allowed: {module}.{fn} is not a function')
+  return job

@@ -8,23 +8,21 @@ budget (configs/reproduce_memory.py: everything else equal), through the sweep r
 rerun skips a finished design. Writes WORKDIR/summary.json with the figures below and
 WORKDIR/memory.png: KV utilization and concurrent sequences over time, the waste breakdown, and
 throughput. Published references: prior systems kept 20.4-38.2% of their KV memory for token
-states, vLLM ~96%, for 2-4x the throughput.
+states, vLLM ~96%, for 2-4x the throughput. summary.json is written before the figure, so a
+failed plot costs only the plot; a point whose timeline.json is missing or damaged is left out
+of the timeline panels with a warning.
 """
 import json
 import os
 
-from absl import app
 from absl import flags
-from ml_collections import config_flags
+from absl import logging
 
+from experiments import cli
 from experiments import sweep
 from pagedjax import run_info
+from pagedjax.config import ConfigError
 from pagedjax.host import metrics
-
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/reproduce_memory.py',
-                                          'Config with one contiguous and one paged point.',
-                                          lock_config=False)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
 
 PUBLISHED = {'prior_kv_utilization': [0.204, 0.382], 'paged_kv_utilization': 0.96,
              'throughput_ratio': [2.0, 4.0]}
@@ -65,10 +63,17 @@ def plot(path: str, rows, workdir: str) -> None:
   for row in rows:
     kind = row['pool.kind']
     name = sweep.point_name({k: row[k] for k in json.loads(row['point'])})
-    with open(os.path.join(workdir, 'points', name, 'timeline.json')) as f:
-      timeline = json.load(f)['timeline']
-    axes[0].plot(timeline['t'], timeline['kv_utilization'], label=kind)
-    axes[1].plot(timeline['t'], timeline['running'], label=kind)
+    timeline_path = os.path.join(workdir, 'points', name, 'timeline.json')
+    try:
+      with open(timeline_path) as f:
+        timeline = json.load(f)['timeline']
+      t, utilization, running = timeline['t'], timeline['kv_utilization'], timeline['running']
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      logging.warning('%s is unreadable (%s): memory.png leaves out its timeline',
+                      timeline_path, type(e).__name__)
+      continue
+    axes[0].plot(t, utilization, label=kind)
+    axes[1].plot(t, running, label=kind)
   axes[0].set(title='KV utilization (token states / reserved)', xlabel='engine clock (s)',
               ylim=(0, 1.05))
   axes[1].set(title='concurrent sequences', xlabel='engine clock (s)')
@@ -83,20 +88,33 @@ def plot(path: str, rows, workdir: str) -> None:
   for ax in axes[:3]:
     ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with run_info.atomic_write(path, 'wb') as f:
+    fig.savefig(f, format='png', dpi=120)
   plt.close(fig)
+
+
+def check_kinds(config) -> None:
+  """Both designs among the sweep's points: found out before the runs, not after them."""
+  kinds = {dict(p).get('pool.kind') for p in config.get('sweep') or ()}
+  missing = [k for k in KINDS if k not in kinds]
+  if missing:
+    raise ConfigError(f'config.sweep={list(config.get("sweep") or ())} is not allowed: one '
+                      f'point with pool.kind={missing[0]!r} is missing (one per {KINDS})')
 
 
 def main(argv):
   del argv
-  config, workdir = _CONFIG.value, _WORKDIR.value
-  rows = sweep.run_sweep(config, workdir)
-  figures = summarize(rows)
-  plot(os.path.join(workdir, 'memory.png'), rows, workdir)
-  summary = {**figures, 'published': PUBLISHED, 'trace': config.trace.to_dict(), 'rows': rows,
-             'config': config.to_dict(), **run_info.environment()}
-  # The sweep runner's summary.json lists the rows; this one, the study's figures.
-  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  config = flags.FLAGS.config
+  check_kinds(config)
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
+  with cli.lock_workdir(workdir, 'study'):  # the sweep's rows, then this study's files
+    rows = sweep.run_sweep(config, workdir)
+    figures = summarize(rows)
+    summary = {**figures, 'published': PUBLISHED, 'trace': config.trace.to_dict(), 'rows': rows,
+               'config': config.to_dict(), **run_info.environment()}
+    # The sweep runner's summary.json lists the rows; this one, the study's figures.
+    run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+    plot(os.path.join(workdir, 'memory.png'), rows, workdir)
   for key in ('contiguous_kv_utilization', 'paged_kv_utilization', 'contiguous_peak_sequences',
               'paged_peak_sequences', 'contiguous_generated_tokens_per_s',
               'paged_generated_tokens_per_s', 'throughput_ratio'):
@@ -106,4 +124,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.define_flags('configs/reproduce_memory.py',
+                   'Config with one contiguous and one paged point.', lock_config=False)
+  cli.run(main)

@@ -3,7 +3,9 @@
   python -m experiments.reproduce_sharing --workdir=runs/reproduce_sharing
   python -m experiments.reproduce_sharing --config=configs/reproduce_sharing.py:tiny --workdir=DIR
 
-Writes WORKDIR/summary.json (and one line per run to WORKDIR/results.jsonl):
+Writes WORKDIR/summary.json and one line per run to WORKDIR/results.jsonl (streamed to
+results.jsonl.partial during the run and renamed at its end, so a failed or killed run leaves the
+previous run's results.jsonl whole; summary.json is replaced atomically):
   shared_prompt      the shared-system-prompt trace (pagedjax.workloads.shared_system_prompt)
                      replayed with prefix caching off and on: `prefix_hit_rate` (prompt tokens
                      found cached / prompt tokens at admission), `prefill_tokens_saved_fraction`
@@ -25,19 +27,14 @@ import copy
 import json
 import os
 
-from absl import app
 from absl import flags
-from ml_collections import config_flags
 
+from experiments import cli
 from experiments import jobs
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
 from pagedjax.engine import RequestError
 from pagedjax.host.sampling_params import SamplingParams
-
-_CONFIG = config_flags.DEFINE_config_file('config', 'configs/reproduce_sharing.py',
-                                          'Sharing study config.', lock_config=False)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
 
 PUBLISHED = {'parallel_sampling_saved': {'alpaca': [0.061, 0.098], 'sharegpt': [0.162, 0.305]},
              'beam_search_saved': {'alpaca': [0.376, 0.552], 'sharegpt': [0.443, 0.663]}}
@@ -157,25 +154,34 @@ def beam_search(config, log) -> dict:
 
 def main(argv):
   del argv
-  config, workdir = config_lib.validate_config(_CONFIG.value), _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  results = open(os.path.join(workdir, 'results.jsonl'), 'w')
+  config = config_lib.validate_config(flags.FLAGS.config)
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
+  with cli.lock_workdir(workdir, 'study'):
+    study(config, workdir)
 
-  def log(row):
-    results.write(json.dumps(row) + '\n')
-    results.flush()
-    print(f"  {row['study']} {row.get('dataset', '')} n={row.get('n', 1)} "
-          f"cache={row['prefix_caching']} ttft_p50={row['ttft_p50_s']:.3f}s "
-          f"computed={row['prompt_tokens_computed']} "
-          f"shared={row['kv_sharing_saved_fraction']:.3f}", flush=True)
 
-  figures = {'shared_prompt': shared_prompt(config, log), 'multi_turn': multi_turn(config, log),
-             'parallel_sampling': parallel_sampling(config, log)}
-  if 'beam_search' in config and config.beam_search.beam_widths:
-    figures['beam_search'] = beam_search(config, log)
+def study(config, workdir: str) -> None:
+  """Every study, its runs' lines to results.jsonl, then summary.json."""
+  path = os.path.join(workdir, 'results.jsonl')
+  with open(path + '.partial', 'w') as results:
+
+    def log(row):
+      results.write(json.dumps(row) + '\n')
+      results.flush()
+      os.fsync(results.fileno())
+      print(f"  {row['study']} {row.get('dataset', '')} n={row.get('n', 1)} "
+            f"cache={row['prefix_caching']} ttft_p50={row['ttft_p50_s']:.3f}s "
+            f"computed={row['prompt_tokens_computed']} "
+            f"shared={row['kv_sharing_saved_fraction']:.3f}", flush=True)
+
+    figures = {'shared_prompt': shared_prompt(config, log),
+               'multi_turn': multi_turn(config, log),
+               'parallel_sampling': parallel_sampling(config, log)}
+    if 'beam_search' in config and config.beam_search.beam_widths:
+      figures['beam_search'] = beam_search(config, log)
+  os.replace(path + '.partial', path)  # this run's lines whole, or the previous run's
   sp = figures['shared_prompt']
   figures['goals'] = {k: {'goal': v, 'value': sp[k], 'met': sp[k] >= v} for k, v in GOALS.items()}
-  results.close()
   summary = {**figures, 'prefix_hit_rate': sp['prefix_hit_rate'],
              'prefill_tokens_saved_fraction': sp['prefill_tokens_saved_fraction'],
              'ttft_speedup': sp['ttft_speedup'], 'published': PUBLISHED,
@@ -189,4 +195,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.define_flags('configs/reproduce_sharing.py', 'Sharing study config.', lock_config=False)
+  cli.run(main)

@@ -15,22 +15,27 @@ so an interrupted sweep resumes where it stopped: a rerun skips every point whos
 base config (everything but sweep and plot) match a stored row. Afterwards it writes
 results.csv and summary.json (all rows, in sweep order) and, with config.plot, plot.png.
 Each point's job may leave files in WORKDIR/points/<name>/.
+
+A run holds WORKDIR/.lock (flock) from start to exit: a second sweep on the same workdir is
+refused, naming it, instead of interleaving rows. Rows are appended flushed and fsynced; a line a
+kill tore (or any line that is not a whole row) is dropped with one warning and its point run
+again. results.csv, summary.json and plot.png are replaced atomically.
 """
 import csv
 import hashlib
 import json
 import os
 import re
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
-from absl import app
 from absl import flags
-from ml_collections import config_flags
+from absl import logging
 import tqdm
 
+from experiments import cli
 from experiments import jobs
 from pagedjax import run_info
-from pagedjax.config import ConfigError, validate_config
+from pagedjax.config import Config, ConfigError, validate_config
 
 SWEEP_FIELDS = ('sweep', 'plot')
 
@@ -75,11 +80,60 @@ def apply_point(config, point: dict):
   return cfg
 
 
-def load_rows(path: str) -> List[dict]:
+def _is_row(row) -> bool:
+  """A whole row: its point key, its config hash, and the point's overrides as its fields."""
+  if not isinstance(row, dict) or not isinstance(row.get('point'), str) or (
+      not isinstance(row.get('config_hash'), str)):
+    return False
+  try:
+    point = json.loads(row['point'])
+  except ValueError:
+    return False
+  return isinstance(point, dict) and all(k in row and row[k] == v for k, v in point.items())
+
+
+def load_rows(path: str) -> Tuple[List[dict], bool]:
+  """(the whole rows of results.jsonl, whether the file must be rewritten before appending).
+
+  A line that does not parse as a whole row (a kill mid-append tears the last one) is dropped,
+  so its point runs again; so is a last line without its newline, which the next append would
+  run into.
+  """
   if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    return [], False
+  with open(path, 'rb') as f:
+    data = f.read()
+  rows, dropped = [], 0
+  for line in data.split(b'\n'):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError:  # torn, garbled or not UTF-8
+      row = None
+    if _is_row(row):
+      rows.append(row)
+    else:
+      dropped += 1
+  if dropped:
+    logging.warning('%s: dropped %d line(s) that are not whole rows (a write torn by a kill, or '
+                    'damage); their points run again', path, dropped)
+  return rows, bool(dropped) or (bool(data) and not data.endswith(b'\n'))
+
+
+def write_rows(path: str, rows: List[dict]) -> None:
+  """results.jsonl rewritten atomically with these rows."""
+  with run_info.atomic_write(path) as f:
+    for row in rows:
+      f.write(json.dumps(row, default=str) + '\n')
+
+
+def append_row(path: str, row: dict) -> None:
+  """One row, on disk before the next point starts: a kill loses at most the running point."""
+  with open(path, 'a') as f:
+    f.write(json.dumps(row, default=str) + '\n')
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def run_sweep(config, workdir: str, job: Optional[Callable] = None) -> List[dict]:
@@ -87,28 +141,32 @@ def run_sweep(config, workdir: str, job: Optional[Callable] = None) -> List[dict
   points = [dict(p) for p in config.sweep]
   if not points:
     raise ConfigError('config.sweep is empty: list at least one point of dotted overrides')
-  job = job or jobs.get_job(config.job)
+  job = job or jobs.get_job(config.get('job'))
   configs = [validate_config(apply_point(config, p)) for p in points]  # fail before any run
-  os.makedirs(workdir, exist_ok=True)
-  results = os.path.join(workdir, 'results.jsonl')
-  digest = config_hash(config)
-  done = {r['point']: r for r in load_rows(results) if r.get('config_hash') == digest}
-  todo = [(p, c) for p, c in zip(points, configs) if point_key(p) not in done]
-  if len(todo) < len(points):
-    print(f'{len(points) - len(todo)} of {len(points)} points already in {results}: skipped')
-  for point, cfg in tqdm.tqdm(todo, desc='sweep', unit='point'):
-    figures = job(cfg, os.path.join(workdir, 'points', point_name(point)))
-    row = {'point': point_key(point), 'config_hash': digest, **point, **figures}
-    with open(results, 'a') as f:
-      f.write(json.dumps(row, default=str) + '\n')
-    done[row['point']] = row
-  rows = [done[point_key(p)] for p in points]
-  write_csv(os.path.join(workdir, 'results.csv'), rows)
-  if config.get('plot'):
-    plot(os.path.join(workdir, 'plot.png'), rows, config.plot)
-  run_info.write_json(os.path.join(workdir, 'summary.json'), {
-      'job': config.job, 'points': len(points), 'config_hash': digest, 'rows': rows,
-      'config': config.to_dict(), **run_info.environment()})
+  for cfg in configs:
+    cli.check_model_path(Config.from_configdict(cfg))
+  with cli.lock_workdir(workdir, 'sweep'):
+    results = os.path.join(workdir, 'results.jsonl')
+    stored, rewrite = load_rows(results)
+    if rewrite:
+      write_rows(results, stored)
+    digest = config_hash(config)
+    done = {r['point']: r for r in stored if r['config_hash'] == digest}
+    todo = [(p, c) for p, c in zip(points, configs) if point_key(p) not in done]
+    if len(todo) < len(points):
+      print(f'{len(points) - len(todo)} of {len(points)} points already in {results}: skipped')
+    for point, cfg in tqdm.tqdm(todo, desc='sweep', unit='point'):
+      figures = job(cfg, os.path.join(workdir, 'points', point_name(point)))
+      row = {'point': point_key(point), 'config_hash': digest, **point, **figures}
+      append_row(results, row)
+      done[row['point']] = row
+    rows = [done[point_key(p)] for p in points]
+    write_csv(os.path.join(workdir, 'results.csv'), rows)
+    if config.get('plot'):
+      plot(os.path.join(workdir, 'plot.png'), rows, config.plot)
+    run_info.write_json(os.path.join(workdir, 'summary.json'), {
+        'job': config.get('job'), 'points': len(points), 'config_hash': digest, 'rows': rows,
+        'config': config.to_dict(), **run_info.environment()})
   return rows
 
 
@@ -117,7 +175,7 @@ def write_csv(path: str, rows: List[dict]) -> None:
   columns = []
   for row in rows:
     columns += [k for k, v in row.items() if k not in columns and not isinstance(v, (list, dict))]
-  with open(path, 'w', newline='') as f:
+  with run_info.atomic_write(path, newline='') as f:
     writer = csv.DictWriter(f, columns, extrasaction='ignore')
     writer.writeheader()
     writer.writerows(rows)
@@ -146,21 +204,20 @@ def plot(path: str, rows: List[dict], spec) -> None:
     if group:
       ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  with run_info.atomic_write(path, 'wb') as f:
+    fig.savefig(f, format='png', dpi=120)
   plt.close(fig)
 
 
 def main(argv):
   del argv
-  config, workdir = flags.FLAGS['config'].value, flags.FLAGS.workdir
-  if config is None:
-    raise app.UsageError('--config=configs/FILE.py is required')
+  config = flags.FLAGS.config
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir)  # the points are checked in run_sweep
   rows = run_sweep(config, workdir)
   print(f'{len(rows)} points: {workdir}/results.jsonl, results.csv, summary.json')
 
 
 if __name__ == '__main__':
   # Defined here, not at import, so other entry points (reproduce_memory) can use run_sweep.
-  config_flags.DEFINE_config_file('config', None, 'Sweep config.', lock_config=False)
-  flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
-  app.run(main)
+  cli.define_flags(None, 'Sweep config.', lock_config=False)
+  cli.run(main)

@@ -1,27 +1,52 @@
-"""What every experiment records next to its figures: config, versions, device, git revision."""
+"""What every experiment records next to its figures (config, versions, device, git revision),
+and how it writes them: atomically, so an interrupted run leaves the previous file, never half
+of one."""
+import contextlib
 import json
 import os
 import platform
+import secrets
 import subprocess
+from typing import Optional
 
 import jax
+
+GIT_TIMEOUT_S = 10
+
+
+def git_state(cwd: Optional[str] = None) -> dict:
+  """{'git_revision': full HEAD hash, 'git_dirty': tracked files modified} of the checkout at
+  cwd (default: the one holding this package); None for what cannot be known.
+
+  Read-only on the checkout: plain `git status` refreshes the index's stat data and writes it
+  back under index.lock, and a `git commit` or `git add` that runs meanwhile (in the same
+  checkout, by someone else) fails on that lock. --no-optional-locks (and GIT_OPTIONAL_LOCKS=0,
+  its environment form) skip that write. A missing git, a directory outside any checkout or a
+  hung git give None, never a failed run.
+  """
+  cwd = cwd or os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ, GIT_OPTIONAL_LOCKS='0')
+
+  def git(*args) -> Optional[str]:
+    try:
+      done = subprocess.run(['git', '--no-optional-locks', *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError):  # no git, no such cwd, timeout
+      return None
+    return done.stdout if done.returncode == 0 else None
+
+  rev = git('rev-parse', 'HEAD')
+  status = git('status', '--porcelain', '--untracked-files=no') if rev else None
+  return {'git_revision': rev.strip() if rev else None,
+          'git_dirty': None if status is None else bool(status.strip())}
 
 
 def environment() -> dict:
   import flax
   import numpy as np
-  try:
-    rev = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                         cwd=os.path.dirname(__file__), check=False).stdout.strip() or None
-    dirty = bool(subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'],
-                                capture_output=True, text=True, check=False,
-                                cwd=os.path.dirname(__file__)).stdout.strip())
-  except OSError:
-    rev, dirty = None, None
   devices = jax.devices()
   return {
-      'git_revision': rev,
-      'git_dirty': dirty,
+      **git_state(),
       'versions': {'python': platform.python_version(), 'jax': jax.__version__,
                    'jaxlib': jax.lib.__version__ if hasattr(jax.lib, '__version__') else None,
                    'flax': flax.__version__, 'numpy': np.__version__},
@@ -31,8 +56,36 @@ def environment() -> dict:
   }
 
 
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = 'w', **open_kwargs):
+  """A new file object whose contents replace `path` only when the block completes.
+
+  It is a temporary file in the same directory (the same filesystem, so os.replace is atomic),
+  flushed and fsynced before the replace: readers see the old file or the whole new one, and an
+  exception, a kill or a full disk leaves the old one. mode is 'w' or 'wb'; open_kwargs go to
+  open (newline='' for csv).
+  """
+  if mode not in ('w', 'wb'):
+    raise ValueError(f'atomic_write mode={mode!r} is not allowed: w or wb')
+  directory, name = os.path.split(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  # Created by open() ('x': never an existing file) so the umask applies, as for a plain open;
+  # mkstemp would leave it readable by its owner only.
+  tmp = os.path.join(directory, f'.{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp')
+  try:
+    with open(tmp, mode.replace('w', 'x'), **open_kwargs) as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
 def write_json(path: str, data: dict) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, 'w') as f:
+  """data as indented JSON, atomically (see atomic_write)."""
+  with atomic_write(path) as f:
     json.dump(data, f, indent=2, default=str)
     f.write('\n')

