@@ -20,6 +20,7 @@ from typing import Optional
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_dict
 from ml_collections import config_flags
 
@@ -129,11 +130,20 @@ def parse_flags(argv):
 def run(main) -> None:
   """app.run(main) with parse_flags, and USER_ERRORS from main reported as one line."""
   def guarded(argv):
+    quiet_libraries(sys.argv)
     try:
       return main(argv)
     except USER_ERRORS as e:
       fail(str(e).replace('\n', ' '))
   app.run(guarded, flags_parser=parse_flags)
+
+
+def quiet_libraries(argv) -> None:
+  """Runs print results, not library logs: absl's default INFO level would show every
+  checkpoint-library line (32 of them on a first SmolLM2 load). WARNING unless the command line
+  asks for a level (--verbosity / -v, absl's own flags, which then win)."""
+  if not any(a.startswith(('--verbosity', '-v=', '--v=')) or a == '-v' for a in argv[1:]):
+    logging.set_verbosity(logging.WARNING)
 
 
 def check_model_path(typed) -> None:
