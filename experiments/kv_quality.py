@@ -14,9 +14,9 @@ import os
 
 import numpy as np
 
-from pagedjax import factory, text_data
+from pagedjax import factory, run_info, text_data
 from pagedjax.device import pool as pool_lib
-from pagedjax.device import kv_quant as quant
+from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.scoring import ChunkScorer, score
 
@@ -46,11 +46,12 @@ def _texts(tokenizer, num_sequences: int, length: int):
 
 
 def capacity(model_cfg, kv_quant, block_size: int, budget_bytes: int, seq_len: int) -> dict:
-  """Sequences of seq_len tokens that fit budget_bytes of pool (scales and ring lanes counted)."""
+  """Sequences of seq_len tokens that fit budget_bytes of pool (scales and each sequence's ring
+  lane counted; the one null lane is not a per-sequence cost)."""
   dims = (model_cfg.num_layers, 1, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
   block = pool_lib.pool_bytes(*dims, dataclasses.replace(kv_quant, recent_window=0))
-  lane = (pool_lib.pool_bytes(*dims, kv_quant, max_sequences=1) - block) if (
-      kv_quant.recent_window) else 0
+  lane = (pool_lib.pool_bytes(*dims, kv_quant, max_sequences=2)
+          - pool_lib.pool_bytes(*dims, kv_quant, max_sequences=1))
   per_sequence = math.ceil(seq_len / block_size) * block + lane
   return {'kv_bytes_per_token': block / block_size, 'bytes_per_sequence': per_sequence,
           'max_concurrent_sequences': budget_bytes // per_sequence}
@@ -75,7 +76,7 @@ def kv_quality(config, workdir: str) -> dict:
   model_cfg, params, tokenizer = _model(config)
   ev = config.eval
   kv_quant = factory.typed(config).pool.kv_quant(model_cfg.dtype)
-  reference = quant.KVQuantConfig(ev.reference_kv_dtype)
+  reference = KVQuantConfig(ev.reference_kv_dtype)
   longest = max(ev.contexts)
   sequences = _texts(tokenizer, ev.num_sequences, longest + 1)
   key = ('scorer', json.dumps(config.model.to_dict(), sort_keys=True), config.attention.impl)
@@ -97,8 +98,7 @@ def kv_quality(config, workdir: str) -> dict:
       list(by_position.values())[0], list(by_position.values())[-1])
   step = _decode_step_seconds(config, model_cfg, params, tokenizer)
   row['decode_tokens_per_second'] = ev.decode_batch / step
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'logit_error_by_position.json'), 'w') as f:
+  with run_info.atomic_write(os.path.join(workdir, 'logit_error_by_position.json')) as f:
     json.dump(by_position, f, indent=1)
   return row
 

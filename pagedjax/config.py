@@ -18,7 +18,7 @@ from typing import Any, Dict
 import ml_collections
 
 from kernels import IMPLS
-from pagedjax.device import kv_quant
+from pagedjax.device import kv_schemes
 from pagedjax.host.block_manager import KINDS as POOL_KINDS
 from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
 from pagedjax.host.prefix_cache import EVICTION_POLICIES
@@ -29,7 +29,7 @@ from pagedjax.model.llama import DTYPES, ModelConfig
 from pagedjax.workloads import DATASETS
 
 MODEL_SOURCES = ('smollm2', 'gguf', 'safetensors', 'random')
-KV_DTYPES = ('auto',) + kv_quant.KV_DTYPES
+KV_DTYPES = ('auto',) + kv_schemes.KV_DTYPES
 ATTENTION_IMPLS = ('auto',) + tuple(IMPLS)
 # SamplingParams fields an experiment config sets; the others (n, beams, salts) are per request.
 SAMPLING_FIELDS = ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed')
@@ -136,9 +136,9 @@ class PoolConfig:
                'key_per_channel': 'kv_key_per_channel', 'recent_window': 'kv_recent_window'}
       raise ConfigError(f'config.pool.{names.get(field, field)}: {e}') from None
 
-  def kv_quant(self, model_dtype: str) -> kv_quant.KVQuantConfig:
+  def kv_quant(self, model_dtype: str) -> kv_schemes.KVQuantConfig:
     """The pool's storage scheme ('auto' = the model's dtype)."""
-    return kv_quant.KVQuantConfig(
+    return kv_schemes.KVQuantConfig(
         kv_dtype=model_dtype if self.kv_dtype == 'auto' else self.kv_dtype,
         group_size=self.kv_group_size, key_per_channel=self.kv_key_per_channel,
         recent_window=self.kv_recent_window)
@@ -167,6 +167,13 @@ class EngineConfig:
       _fail('engine.prefill_chunk', self.prefill_chunk, 'a power of two')
     if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
       _fail('engine.max_seq_len', self.max_seq_len, 'an integer >= 2')
+    # A chunk is a static [rows, chunk] shape of every prefill call: longer than any prompt can
+    # be, it only pads (and a huge one exhausts memory in the first compile).
+    longest_chunk = 1 << (self.max_seq_len - 1).bit_length()
+    if self.prefill_chunk > longest_chunk:
+      _fail('engine.prefill_chunk', self.prefill_chunk,
+            f'a power of two at most {longest_chunk} (engine.max_seq_len={self.max_seq_len} '
+            'rounded up to a power of two)')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,8 @@ import os
 
 import jax
 
-from pagedjax.config import Config, validate_model_shape
+from pagedjax.config import Config, ConfigError, validate_model_shape
+from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep
 from pagedjax.engine import Engine
 from pagedjax.model import sharding, weights
@@ -31,6 +32,35 @@ def build_engine(config=Config(), **engine_kwargs) -> Engine:
   return make_engine(config, model_cfg, params, tokenizer, **engine_kwargs)
 
 
+def available_memory_bytes(device=None) -> int:
+  """Memory the pool can take on `device` (default: the first): an accelerator's own limit, or on
+  a CPU the physical memory not in use now."""
+  device = device or jax.devices()[0]
+  stats = device.memory_stats() if device.platform != 'cpu' else None
+  if stats and 'bytes_limit' in stats:
+    return int(stats['bytes_limit'] - stats.get('bytes_in_use', 0))
+  return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+
+
+def check_pool_fits(model_cfg, config: Config, available: int = None) -> int:
+  """Refuses, before anything is allocated, a pool larger than the memory a device has (with a
+  mesh, each device holds 1/tp of it); returns the bytes per device. The message gives the
+  largest pool.num_blocks that would fit."""
+  tp = config.mesh.model
+  kv_quant = config.pool.kv_quant(model_cfg.dtype)
+  shape = (model_cfg.num_layers, config.pool.num_blocks, model_cfg.num_kv_heads,
+           config.pool.block_size, model_cfg.head_dim)
+  need = pool_lib.pool_bytes(*shape, kv_quant, config.engine.max_batch_size) // tp
+  available = available_memory_bytes() if available is None else available
+  if need > available:
+    per_block = pool_lib.pool_bytes(*shape[:1], 1, *shape[2:], kv_quant) / tp
+    raise ConfigError(
+        f'config.pool.num_blocks={config.pool.num_blocks} is not allowed: the pool would take '
+        f'{need / 2**30:.2f} GiB per device and {available / 2**30:.2f} GiB are available; '
+        f'at most {max(int(available // per_block), 0)} blocks fit')
+  return need
+
+
 def load_model_and_tokenizer(config):
   """-> (ModelConfig, params, Tokenizer). Random models borrow SmolLM2's tokenizer.
 
@@ -44,6 +74,7 @@ def load_model_and_tokenizer(config):
   if m.source == 'random':
     model_cfg = m.random_model_config()
     sharding.validate_mesh(model_cfg, tp, jax.device_count())
+    check_pool_fits(model_cfg, config)  # before the params are made
     params = init_params(model_cfg, seed=m.random.seed)
     tokenizer = Tokenizer.from_gguf(weights.smollm2_gguf_path())
   else:
@@ -54,6 +85,7 @@ def load_model_and_tokenizer(config):
     else:
       tokenizer = Tokenizer.from_gguf(m.path or weights.smollm2_gguf_path())
     sharding.validate_mesh(model_cfg, tp, jax.device_count())
+    check_pool_fits(model_cfg, config)
   validate_model_shape(model_cfg, field='model')
   return model_cfg, params, tokenizer
 

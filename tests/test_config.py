@@ -1,6 +1,7 @@
 import pytest
 
 from configs import default
+from pagedjax import factory
 from pagedjax.config import ConfigError, validate_config
 
 
@@ -23,6 +24,8 @@ def test_default_and_tiny_configs_are_valid():
     ('model.source', 'hub', r"model.source='hub' is not allowed: one of \('smollm2'"),
     ('attention.impl', 'cuda', r"attention.impl='cuda' is not allowed"),
     ('engine.prefill_chunk', 100, r'engine.prefill_chunk=100 is not allowed: a power of two'),
+    ('engine.prefill_chunk', 2**30, r'prefill_chunk=1073741824 is not allowed: a power of two at '
+     r'most 1024'),
     ('sampling.max_new_tokens', 0, r'config.sampling.max_new_tokens=0 is not allowed'),
     ('sampling.top_p', 1.5, r'config.sampling.top_p=1.5 is not allowed'),
 ])
@@ -42,3 +45,15 @@ def test_file_sources_need_a_path():
   config.model.source = 'gguf'
   with pytest.raises(ConfigError, match="model.path='' is not allowed: a file or directory"):
     validate_config(config)
+
+
+def test_a_pool_larger_than_memory_is_refused_before_anything_loads():
+  config = default.get_config('tiny')
+  config.pool.num_blocks = 10**8
+  with pytest.raises(ConfigError, match=r'pool.num_blocks=100000000 is not allowed: the pool would '
+                     r'take .* GiB per device and 1.00 GiB are available; at most \d+ blocks fit'):
+    factory.check_pool_fits(factory.typed(config).model.random_model_config(),
+                            factory.typed(config), available=2**30)
+  config.pool.num_blocks = 256
+  assert factory.check_pool_fits(factory.typed(config).model.random_model_config(),
+                                 factory.typed(config), available=2**30) < 2**30

@@ -1,142 +1,285 @@
-"""KV quantization schemes: round-trip bounds on random data, exact int4 packing, and the pool's
-quantize-on-write (including KIVI per-channel keys written a few tokens at a time)."""
+"""KV storage schemes (pagedjax/device/kv_schemes.py) and their arithmetic (kv_quant.py).
+
+One table, SCHEMES, drives the per-scheme checks: the pool's arrays and bytes, a chunked
+write/read round trip through the pool (what attention reads, and that attention really reads
+it), and an engine run against the dense no-cache forward pass. A new format adds one entry.
+Around it: exact bounds of the codecs on random data, exact int4 packing, KIVI's per-channel keys
+(better on outlier channels, incremental writes close to one-shot), and spec validation."""
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pagedjax.device import kv_quant as codecs
 from pagedjax.device import pool as pool_lib
-from pagedjax.device import kv_quant as quant
+from pagedjax.device.kv_schemes import KVQuantConfig, SymmetricScheme
+from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.host.step_inputs import RowSpec, build_step_inputs
+from tiny_models import dense_logits, make_engine, prompts
 
-X = jax.random.normal(jax.random.PRNGKey(0), (64, 3, 16, 64)) * 2.0
-X = X.at[..., 5].multiply(20.0)  # an outlier channel, as real keys have
+HEAD_DIM = 12  # the tiny test model's (tiny_models.py): one group size serves every check
+WINDOW = 4  # recent window of the windowed entries: contexts grow past it, so rings and blocks
+            # are both read
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+  spec: KVQuantConfig
+  kernel_native: bool  # attention hands the pool straight to the kernels
+  read_tol: float      # round trip: max |read - written| / max |written|, keys and values
+  logits_atol: float   # engine logits against the dense forward (tiny model, logits ~0.6)
+
+
+SCHEMES = {
+    'float32': Scheme(KVQuantConfig('float32'), True, 0.0, 1e-4),
+    'bfloat16': Scheme(KVQuantConfig('bfloat16'), True, 2.0 ** -8, 5e-3),
+    'int8': Scheme(KVQuantConfig('int8'), True, 0.01, 0.015),
+    'fp8_e4m3': Scheme(KVQuantConfig('fp8_e4m3'), True, 0.07, 0.05),
+    'fp8_e5m2': Scheme(KVQuantConfig('fp8_e5m2'), False, 0.13, 0.15),
+    'int4': Scheme(KVQuantConfig('int4', group_size=6), False, 0.2, 0.1),
+    'int4_kivi': Scheme(KVQuantConfig('int4', group_size=6, key_per_channel=True), False, 0.2,
+                        0.1),
+    'int8_window': Scheme(KVQuantConfig('int8', recent_window=WINDOW), False, 0.01, 0.015),
+    'int4_kivi_window': Scheme(KVQuantConfig('int4', group_size=6, key_per_channel=True,
+                                             recent_window=WINDOW), False, 0.2, 0.1),
+}
+each_scheme = pytest.mark.parametrize('name', list(SCHEMES))
+
+X = np.random.default_rng(0).normal(size=(64, 3, 16, 64)).astype(np.float32) * 2.0
+X[..., 5] *= 20.0  # an outlier channel, as real keys have
 
 
 def rel_err(got, want):
-  return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def rms_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2)))
+
+
+# ---- the table: arrays and bytes ----------------------------------------------------------
+
+
+@each_scheme
+def test_pool_arrays_follow_the_scheme(name):
+  case = SCHEMES[name]
+  dims = (2, 5, 3, 8, HEAD_DIM)
+  pool = pool_lib.init_pool(*dims, kv_quant=case.spec, max_sequences=2)
+  scheme = pool.scheme
+  assert scheme.kernel_native == case.kernel_native
+  assert scheme.is_quantized == case.spec.is_quantized
+  assert scheme.recent_window == case.spec.recent_window
+  assert pool.nbytes == pool_lib.pool_bytes(*dims, case.spec, max_sequences=2)
+  assert pool.k.shape[:4] == (2, 5, 3, 8)  # [layers, blocks, kv_heads, block_size, ...]
+  for field, x in pool.block_arrays().items():
+    assert x.shape[:3] == (2, 5, 3), field  # block axis 1, KV heads axis 2
+    if field.endswith(('_scale', '_zero')):
+      assert x.dtype == scheme.scale_dtype == jnp.float16, field
+  assert (scheme.scale_dtype is None) == (not case.spec.is_quantized)
+  assert (pool.recent_k is not None) == bool(case.spec.recent_window)
+
+
+def test_pool_bytes_count_scales():
+  dims = (30, 100, 3, 16, 64)
+  f32 = pool_lib.pool_bytes(*dims, KVQuantConfig('float32'))
+  bf16 = pool_lib.pool_bytes(*dims, KVQuantConfig('bfloat16'))
+  int8 = pool_lib.pool_bytes(*dims, KVQuantConfig('int8'))
+  int4 = pool_lib.pool_bytes(*dims, KVQuantConfig('int4', group_size=32))
+  kivi = pool_lib.pool_bytes(*dims, KVQuantConfig('int4', group_size=32, key_per_channel=True))
+  window = pool_lib.pool_bytes(*dims, KVQuantConfig('int8', recent_window=8), max_sequences=4)
+  assert bf16 * 2 == f32
+  assert int8 == bf16 // 2 + 2 * 30 * 100 * 3 * 16 * 2  # + one float16 scale per token-head
+  assert int4 == bf16 // 4 + 2 * 2 * 30 * 100 * 3 * 16 * 2 * 2  # + scale, zero per 32 channels
+  # KIVI keys: a scale and zero point per channel per block instead of per token and group.
+  assert kivi == int4 - 2 * 30 * 100 * 3 * 16 * 2 * 2 + 2 * 30 * 100 * 3 * 64 * 2
+  assert window == int8 + 2 * 30 * 5 * 3 * 8 * 64 * 2  # bfloat16 rings, lanes 0..4
+  small = pool_lib.init_pool(2, 5, 3, 16, 64, kv_quant=KVQuantConfig('int4'))
+  assert small.nbytes == pool_lib.pool_bytes(2, 5, 3, 16, 64, KVQuantConfig('int4'))
+
+
+# ---- the table: chunked writes, reads, and attention over what is read ----------------------
+
+HEADS, Q_HEADS, BLOCK = 2, 4, 8
+TABLE = [5, 2, 7, 1, 8]  # physical blocks out of order
+
+
+@jax.jit
+def _write_attend_read(pool, k, v, q, inputs):
+  """One step on layer 0: write, attend, and what attention reads (jitted once per scheme and
+  shape for the whole file)."""
+  pool = pool_lib.write_kv(pool, 0, k, v, inputs)
+  out = pool_lib.attend(pool, 0, q, inputs.positions, inputs, 'reference')
+  return (pool, out) + pool.scheme.read(pool, 0, inputs)
+
+
+def _attention(q, k, v, positions):
+  """float64 causal attention of q [T, Hq, D] at `positions` over k, v [S, H, D]."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  k, v = (np.repeat(x, Q_HEADS // HEADS, axis=1) for x in (k, v))
+  scores = np.einsum('thd,shd->hts', q, k) / np.sqrt(q.shape[-1])
+  scores = np.where(np.arange(len(k)) <= positions[:, None], scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  return np.einsum('hts,shd->thd', probs / probs.sum(-1, keepdims=True), v)
+
+
+def _pool_round_trip(spec, chunks, seed=0):
+  """Write `sum(chunks)` tokens of one sequence chunk by chunk, checking after every chunk that
+  attention equals attention over what the scheme reads. Every chunk is padded to 16 tokens (one
+  program per scheme; the engine test below runs single-token steps). Returns (written keys,
+  values; what attention reads for them; what the blocks hold for them), each [tokens, H, D]."""
+  pool = pool_lib.init_pool(1, 9, HEADS, BLOCK, HEAD_DIM, kv_quant=spec, max_sequences=1)
+  total = sum(chunks)
+  rng = np.random.default_rng(seed)
+  keys = rng.normal(size=(total, HEADS, HEAD_DIM)).astype(np.float32)
+  keys[..., 3] *= 10.0  # an outlier channel
+  values = rng.normal(size=(total, HEADS, HEAD_DIM)).astype(np.float32)
+  queries = rng.normal(size=(total, Q_HEADS, HEAD_DIM)).astype(np.float32)
+  dense = lambda x: np.swapaxes(np.asarray(x[0]), 1, 2).reshape(-1, HEADS, HEAD_DIM)
+  start = 0
+  for n in chunks:
+    inputs = build_step_inputs([RowSpec(list(range(n)), start, TABLE, lane=1)], BLOCK, [1],
+                               [16], [8])
+    pad = lambda x: np.pad(x[start:start + n], ((0, 16 - n), (0, 0), (0, 0)))[None]
+    pool, out, seen_k, seen_v = _write_attend_read(pool, pad(keys), pad(values), pad(queries),
+                                                   inputs)
+    seen_k, seen_v = dense(seen_k)[:start + n], dense(seen_v)[:start + n]
+    want = _attention(queries[start:start + n], seen_k, seen_v, np.arange(start, start + n))
+    np.testing.assert_allclose(out[0, :n], want, atol=1e-5, rtol=1e-5)
+    start += n
+  held_k, held_v = pool_lib.dequantize_blocks(pool, 0, np.asarray(TABLE)[None])
+  return keys, values, seen_k, seen_v, dense(held_k)[:total], dense(held_v)[:total]
+
+
+@each_scheme
+def test_pool_round_trip(name):
+  case = SCHEMES[name]
+  # Prefill 11 tokens, then decode 6 one at a time: blocks of 8 are filled across steps.
+  keys, values, seen_k, seen_v, held_k, held_v = _pool_round_trip(case.spec,
+                                                                  [11, 1, 1, 1, 1, 1, 1])
+  for got in (seen_k, held_k):
+    assert rel_err(got, keys) <= case.read_tol
+  for got in (seen_v, held_v):
+    assert rel_err(got, values) <= case.read_tol
+  window = case.spec.recent_window
+  if window:  # the newest tokens are read from the bfloat16 rings, the rest from the blocks
+    bf16 = lambda x: x[-window:].astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(seen_k[-window:], bf16(keys))
+    np.testing.assert_array_equal(seen_v[-window:], bf16(values))
+    np.testing.assert_array_equal(seen_k[:-window], held_k[:-window])
+  else:
+    np.testing.assert_array_equal(seen_k, held_k)
+    np.testing.assert_array_equal(seen_v, held_v)
+
+
+def test_kivi_incremental_writes_match_one_shot_quantization():
+  """Requantizing a block as tokens arrive stays within a small factor of quantizing the
+  finished block once (each growth of a channel's range rounds the older codes again)."""
+  spec = SCHEMES['int4_kivi'].spec
+  keys, *_, incremental, _ = _pool_round_trip(spec, [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+  *_, one_shot, _ = _pool_round_trip(spec, [15])
+  assert rms_err(incremental, keys) <= 2.0 * rms_err(one_shot, keys)
+
+
+# ---- the table: the engine against the dense forward ----------------------------------------
+
+
+@each_scheme
+def test_engine_logits_match_dense(name):
+  """Prompts fed one token per step and decoded together: every step is one [2 rows, 1 token]
+  program, so each scheme compiles once. Blocks of 4 spread the contexts (up to 9 tokens) over
+  three blocks, and past the recent window."""
+  case = SCHEMES[name]
+  engine = make_engine(kv_quant=case.spec, block_size=4, num_blocks=16, max_batch_size=2,
+                       prefill_chunk=1)
+  done = engine.generate(prompts([6, 3], seed=21), SamplingParams(max_new_tokens=4))
+  for c in done:
+    assert len(c.output_ids) == 4
+    np.testing.assert_allclose(np.stack(c.logits), dense_logits('gqa', c),
+                               atol=case.logits_atol, rtol=0)
+
+
+# ---- codecs (each check one jitted call: op-by-op dispatch costs seconds here) --------------
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _symmetric(x, code_dtype):
+  codes, scale = codecs.quantize_symmetric(x, code_dtype)
+  return scale, codecs.dequantize_symmetric(codes, scale)
 
 
 @pytest.mark.parametrize('kv_dtype,bound', [
     # Max error per vector, relative to that vector's amax: half a step of the grid.
     ('int8', 0.5 / 127), ('fp8_e4m3', 2.0 ** -4), ('fp8_e5m2', 2.0 ** -3)])
 def test_symmetric_round_trip_bounds(kv_dtype, bound):
-  q, scale = quant.quantize_symmetric(X, kv_dtype)
+  scale, back = _symmetric(X, SymmetricScheme(kv_dtype).code_dtype)
   assert scale.dtype == jnp.float16 and scale.shape == X.shape[:-1]
-  back = quant.dequantize_symmetric(q, scale)
-  amax = jnp.max(jnp.abs(X), axis=-1, keepdims=True)
-  assert float(jnp.max(jnp.abs(back - X) / amax)) <= bound * 1.01 + 1e-3  # + f16 scale rounding
+  amax = np.max(np.abs(X), axis=-1, keepdims=True)
+  assert np.max(np.abs(back - X) / amax) <= bound * 1.01 + 1e-3  # + f16 scale rounding
 
 
 def test_int4_packing_is_exact():
-  codes = jax.random.randint(jax.random.PRNGKey(1), (5, 7, 64), 0, 16).astype(jnp.uint8)
-  packed = quant.pack_int4(codes)
+  codes = np.random.default_rng(1).integers(0, 16, (5, 7, 64)).astype(np.uint8)
+  packed, unpacked = jax.jit(lambda c: (lambda p: (p, codecs.unpack_int4(p)))(
+      codecs.pack_int4(c)))(codes)
   assert packed.shape == (5, 7, 32) and packed.dtype == jnp.uint8
-  np.testing.assert_array_equal(quant.unpack_int4(packed), codes)
+  np.testing.assert_array_equal(unpacked, codes)
   # Channel 2i is the low nibble of byte i.
   np.testing.assert_array_equal(packed[..., 0] & 0xF, codes[..., 0])
   np.testing.assert_array_equal(packed[..., 0] >> 4, codes[..., 1])
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _int4_groups(x, group_size):
+  return codecs.dequantize_int4_groups(*codecs.quantize_int4_groups(x, group_size))
+
+
+@jax.jit
+def _int4_channels(x, valid):
+  return codecs.dequantize_int4_channels(*codecs.quantize_int4_channels(x, valid))
+
+
 @pytest.mark.parametrize('group_size', [16, 32, 64])
 def test_int4_group_round_trip_bound(group_size):
-  packed, scale, zero = quant.quantize_int4_groups(X, group_size)
-  back = quant.dequantize_int4_groups(packed, scale, zero)
+  back = np.asarray(_int4_groups(X, group_size))
   grouped = X.reshape(*X.shape[:-1], -1, group_size)
   step = (grouped.max(-1) - grouped.min(-1)) / 15
-  err = jnp.abs(back - X).reshape(grouped.shape).max(-1)
-  assert bool(jnp.all(err <= step * 0.5 * 1.01 + 2e-3))
-
-
-def rms_err(got, want):
-  return float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2)))
+  err = np.abs(back - X).reshape(grouped.shape).max(-1)
+  assert np.all(err <= step * 0.5 * 1.01 + 2e-3)
 
 
 def test_kivi_keys_beat_per_token_keys_on_outlier_channels():
-  per_token = quant.dequantize_int4_groups(*quant.quantize_int4_groups(X, 64))
-  valid = jnp.ones(X.shape[:-1], bool)
-  per_channel = quant.dequantize_int4_channels(*quant.quantize_int4_channels(X, valid))
+  per_token = _int4_groups(X, 64)
+  per_channel = _int4_channels(X, np.ones(X.shape[:-1], bool))
   assert rms_err(per_channel, X) < rms_err(per_token, X) / 2
 
 
 def test_per_channel_ignores_invalid_slots():
-  poisoned = X.at[:, :, 10:].set(jnp.nan)
-  valid = jnp.broadcast_to(jnp.arange(16) < 10, X.shape[:-1])
-  packed, scale, zero = quant.quantize_int4_channels(poisoned, valid)
-  assert bool(jnp.all(jnp.isfinite(scale))) and bool(jnp.all(jnp.isfinite(zero)))
-  back = quant.dequantize_int4_channels(packed, scale, zero)[:, :, :10]
-  clean = quant.dequantize_int4_channels(*quant.quantize_int4_channels(X[:, :, :10],
-                                                                       valid[:, :, :10]))
+  poisoned = X.copy()
+  poisoned[:, :, 10:] = np.nan
+  valid = np.broadcast_to(np.arange(16) < 10, X.shape[:-1])
+  scale, zero = jax.jit(lambda x, m: codecs.quantize_int4_channels(x, m)[1:])(poisoned, valid)
+  assert np.all(np.isfinite(scale)) and np.all(np.isfinite(zero))
+  back = _int4_channels(poisoned, valid)[:, :, :10]
+  clean = _int4_channels(X[:, :, :10], valid[:, :, :10])
   np.testing.assert_allclose(back, clean, atol=1e-6)
 
 
-@pytest.mark.parametrize('kv_quant,message', [
-    (quant.KVQuantConfig('int3'), r"kv_dtype='int3' is not allowed: one of \('float32'"),
-    (quant.KVQuantConfig('int4', group_size=24), r'group_size=24 is not allowed: it must '
-                                                 r'divide head_dim=64, one of \[1, 2, 4, 8'),
-    (quant.KVQuantConfig('int8', key_per_channel=True), 'only defined for kv_dtype int4'),
+# ---- specs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('spec,message', [
+    (KVQuantConfig('int3'), r"kv_dtype='int3' is not allowed: one of \('float32'"),
+    (KVQuantConfig('int4', group_size=24), r'group_size=24 is not allowed: it must '
+                                           r'divide head_dim=64, one of \[1, 2, 4, 8'),
+    (KVQuantConfig('int8', key_per_channel=True), 'only defined for kv_dtype int4'),
+    (KVQuantConfig('bfloat16', recent_window=8), 'recent_window=8 needs a quantized kv_dtype'),
+    (KVQuantConfig('int8', recent_window=-1), 'recent_window=-1 is not allowed'),
 ])
-def test_bad_combinations_rejected(kv_quant, message):
+def test_bad_combinations_rejected(spec, message):
   with pytest.raises(ValueError, match=message):
-    kv_quant.validate(64)
-
-
-def _pool_round_trip(kv_quant, chunks, block_size=8, seed=0):
-  """Write `sum(chunks)` tokens of one sequence chunk by chunk; return (written keys/values,
-  what the pool holds for them dequantized)."""
-  layers, heads, dim = 1, 2, 32
-  pool = pool_lib.init_pool(layers, 9, heads, block_size, dim, kv_quant=kv_quant)
-  total = sum(chunks)
-  keys = jax.random.normal(jax.random.PRNGKey(seed), (total, heads, dim))
-  keys = keys.at[..., 3].multiply(10.0)
-  values = jax.random.normal(jax.random.PRNGKey(seed + 1), (total, heads, dim))
-  table = [5, 2, 7, 1, 8]
-  start = 0
-  write = jax.jit(pool_lib.write_kv)
-  for n in chunks:
-    inputs = build_step_inputs([RowSpec(list(range(n)), start, table)], block_size, [1, 2],
-                               [1, 4, 8, 16], [8])
-    pad = inputs.tokens.shape[1] - n
-    k = jnp.pad(keys[start:start + n], ((0, pad), (0, 0), (0, 0)))[None]
-    v = jnp.pad(values[start:start + n], ((0, pad), (0, 0), (0, 0)))[None]
-    pool = write(pool, 0, k, v, inputs)
-    start += n
-  dense = lambda x: jnp.swapaxes(x, 1, 2).reshape(-1, heads, dim)[:total]  # [tokens, H, D]
-  got_k, got_v = pool_lib.dequantize_blocks(pool, 0, jnp.asarray(table))
-  return keys, values, dense(got_k), dense(got_v)
-
-
-@pytest.mark.parametrize('kv_quant,tol', [
-    (quant.KVQuantConfig('float32'), 0.0),
-    (quant.KVQuantConfig('int8'), 0.01),
-    (quant.KVQuantConfig('fp8_e4m3'), 0.07),
-    (quant.KVQuantConfig('int4', group_size=16), 0.2),
-    (quant.KVQuantConfig('int4', group_size=16, key_per_channel=True), 0.2),
-])
-def test_pool_holds_quantized_writes(kv_quant, tol):
-  # Prefill 11 tokens, then decode 6 one at a time: blocks of 8 are filled across steps.
-  keys, values, got_k, got_v = _pool_round_trip(kv_quant, [11, 1, 1, 1, 1, 1, 1])
-  assert rel_err(got_k, keys) <= tol
-  assert rel_err(got_v, values) <= tol
-
-
-def test_kivi_incremental_writes_match_one_shot_quantization():
-  """Requantizing a block as tokens arrive stays within a small factor of quantizing the
-  finished block once (each growth of a channel's range rounds the older codes again)."""
-  kv_quant = quant.KVQuantConfig('int4', group_size=16, key_per_channel=True)
-  keys, _, incremental, _ = _pool_round_trip(kv_quant, [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
-  _, _, one_shot, _ = _pool_round_trip(kv_quant, [15])
-  assert rms_err(incremental, keys) <= 2.0 * rms_err(one_shot, keys)
-
-
-def test_pool_bytes_count_scales():
-  dims = (30, 100, 3, 16, 64)
-  f32 = pool_lib.pool_bytes(*dims, quant.KVQuantConfig('float32'))
-  bf16 = pool_lib.pool_bytes(*dims, quant.KVQuantConfig('bfloat16'))
-  int8 = pool_lib.pool_bytes(*dims, quant.KVQuantConfig('int8'))
-  int4 = pool_lib.pool_bytes(*dims, quant.KVQuantConfig('int4', group_size=32))
-  assert bf16 * 2 == f32
-  assert int8 == bf16 // 2 + 2 * 30 * 100 * 3 * 16 * 2  # + one float16 scale per token-head
-  assert int4 == bf16 // 4 + 2 * 2 * 30 * 100 * 3 * 16 * 2 * 2  # + scale, zero per 32 channels
-  small = pool_lib.init_pool(2, 5, 3, 16, 64, kv_quant=quant.KVQuantConfig('int4'))
-  assert small.nbytes == pool_lib.pool_bytes(2, 5, 3, 16, 64, quant.KVQuantConfig('int4'))
+    spec.validate(64)

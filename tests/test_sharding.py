@@ -53,6 +53,11 @@ def _config(tp):
   config.engine.prefill_chunk = 16
   config.engine.max_seq_len = MODEL.max_seq_len
   config.mesh.model = tp
+  # The config describes MODEL, so its mesh is checked against MODEL's heads.
+  config.model.random.update(dict(vocab_size=MODEL.vocab_size, d_model=MODEL.d_model,
+                                  num_layers=MODEL.num_layers, num_heads=MODEL.num_heads,
+                                  num_kv_heads=MODEL.num_kv_heads, head_dim=MODEL.head_dim,
+                                  ffn_dim=MODEL.ffn_dim, max_seq_len=MODEL.max_seq_len))
   return config
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pagedjax import sizing
 from pagedjax.device import pool as pool_lib
-from pagedjax.device.kv_quant import KVQuantConfig
+from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model.llama import ModelConfig, init_params
 
 OPT13, L8, L70, SMOL = (sizing.PRESETS[k] for k in

@@ -1,90 +1,45 @@
-"""KV-cache quantization schemes: what is stored per element, per scale, and how to round-trip.
+"""KV quantization arithmetic: codes, scales and zero points for arrays of K or V vectors.
 
-Quantization happens when K/V are written into the pool (pool.py); dequantization happens where
-attention reads them. Every scheme here is pure jnp, so it runs inside the jitted step.
+Pure jnp functions over plain arrays, with no knowledge of the pool: the storage schemes
+(kv_schemes.py) call them when they write K/V into the pool and when attention reads it back.
 
-Schemes (`pool.kv_dtype`):
-  float32, bfloat16   stored as is
-  int8                symmetric, one scale per (token, KV head): q = round(x / s), s = amax / 127
-  fp8_e4m3, fp8_e5m2  x / s cast to float8, one scale per (token, KV head), s = amax / fp8 max
-  int4                asymmetric (scale and zero point), 4 bits packed two per byte.
-                      Values: groups of `group_size` channels per token.
-                      Keys: the same per-token groups, or with `key_per_channel` (KIVI) one
-                      scale/zero per channel over the tokens of a block: keys have outlier
-                      channels, so sharing a range across channels wastes most of the 16 levels.
-Scales and zero points are stored as float16 and counted in every memory figure.
-
-`recent_window` N (KIVI's full-precision residual): the newest N tokens of every running
-sequence are also kept in bfloat16 in a small ring per sequence *lane* (pool.py), and attention
-reads them from there instead of from the quantized blocks. Older tokens are read quantized.
+  symmetric           one scale per vector (the last axis): s = amax / code max rounded to
+                      float16, codes x / s rounded and clipped (integer codes) or cast (float8)
+  int4 groups         asymmetric: scale and zero point per group of `group_size` channels of a
+                      vector, 4-bit codes packed two per byte
+  int4 channels       asymmetric per channel over the vectors of a block (KIVI keys)
+Scales and zero points are float16.
 """
-import dataclasses
-from typing import Optional
-
 import jax.numpy as jnp
 
-FLOAT_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-FP8_DTYPES = {'fp8_e4m3': jnp.float8_e4m3fn, 'fp8_e5m2': jnp.float8_e5m2}
-KV_DTYPES = tuple(FLOAT_DTYPES) + ('int8',) + tuple(FP8_DTYPES) + ('int4',)
 SCALE_DTYPE = jnp.float16
-RECENT_DTYPE = jnp.bfloat16  # the unquantized baseline's storage
 _TINY = 1e-8  # floor for scales, so an all-zero group does not divide by zero
 
 
-@dataclasses.dataclass(frozen=True)
-class KVQuantConfig:
-  kv_dtype: str = 'float32'
-  group_size: int = 32           # int4: channels per scale group (per-token groups)
-  key_per_channel: bool = False  # int4: KIVI-style keys, one scale per channel per block
-  recent_window: int = 0         # newest tokens of each sequence also kept unquantized (0: off)
-
-  def validate(self, head_dim: Optional[int] = None):
-    """head_dim None (not known yet, e.g. before a checkpoint loads) skips the shape checks."""
-    if self.kv_dtype not in KV_DTYPES:
-      raise ValueError(f'kv_dtype={self.kv_dtype!r} is not allowed: one of {KV_DTYPES}')
-    if not isinstance(self.recent_window, int) or self.recent_window < 0:
-      raise ValueError(f'recent_window={self.recent_window!r} is not allowed: an integer >= 0')
-    if self.recent_window and not self.is_quantized:
-      raise ValueError(f'recent_window={self.recent_window} needs a quantized kv_dtype, not '
-                       f'{self.kv_dtype!r}')
-    if self.kv_dtype == 'int4':
-      if not isinstance(self.group_size, int) or self.group_size < 1:
-        raise ValueError(f'group_size={self.group_size!r} is not allowed: a positive integer')
-      if head_dim is not None and head_dim % self.group_size:
-        divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0]
-        raise ValueError(f'group_size={self.group_size} is not allowed: it must divide '
-                         f'head_dim={head_dim}, one of {divisors}')
-      if head_dim is not None and head_dim % 2:
-        raise ValueError(f'head_dim={head_dim}: int4 packs two channels per byte, so it must '
-                         'be even')
-    elif self.key_per_channel:
-      raise ValueError(f'key_per_channel=True is only defined for kv_dtype int4, not '
-                       f'{self.kv_dtype!r}')
-
-  @property
-  def is_quantized(self) -> bool:
-    return self.kv_dtype not in FLOAT_DTYPES
+# ---- symmetric per vector (int8, fp8) --------------------------------------------------------
 
 
-# ---- symmetric per-token (int8, fp8) --------------------------------------------------------
+def code_max(code_dtype) -> float:
+  """Largest code magnitude: 127 for int8, the largest finite value for a float8 type."""
+  code_dtype = jnp.dtype(code_dtype)
+  if jnp.issubdtype(code_dtype, jnp.integer):
+    return float(jnp.iinfo(code_dtype).max)
+  return float(jnp.finfo(code_dtype).max)
 
 
-def _qmax(kv_dtype):
-  if kv_dtype == 'int8':
-    return 127.0
-  return float(jnp.finfo(FP8_DTYPES[kv_dtype]).max)
-
-
-def quantize_symmetric(x, kv_dtype):
-  """x [..., D] -> (q [..., D] int8/fp8, scale [...] float16), one scale per vector."""
+def quantize_symmetric(x, code_dtype):
+  """x [..., D] -> (codes [..., D] of code_dtype, scale [...] float16), one scale per vector.
+  Integer codes are rounded to nearest and clipped to +-code max; float8 codes are a cast."""
+  code_dtype = jnp.dtype(code_dtype)
+  qmax = code_max(code_dtype)
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=-1)
-  scale = jnp.maximum(amax / _qmax(kv_dtype), _TINY).astype(SCALE_DTYPE)
+  scale = jnp.maximum(amax / qmax, _TINY).astype(SCALE_DTYPE)
   scaled = x / scale.astype(jnp.float32)[..., None]
-  if kv_dtype == 'int8':
-    q = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+  if jnp.issubdtype(code_dtype, jnp.integer):
+    q = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(code_dtype)
   else:
-    q = scaled.astype(FP8_DTYPES[kv_dtype])
+    q = scaled.astype(code_dtype)
   return q, scale
 
 
@@ -92,7 +47,7 @@ def dequantize_symmetric(q, scale):
   return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
-# ---- int4: packing and asymmetric groups -----------------------------------------------------
+# ---- int4: packing and asymmetric ranges ----------------------------------------------------
 
 
 def pack_int4(q):

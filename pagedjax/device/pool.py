@@ -9,15 +9,14 @@ Block 0 is the null block. It is never handed out by the allocator: padding entr
 tables point at it and the K/V of padded tokens are written into it, so its contents are garbage
 by design and attention must never read it for a real token (the isolation tests fill it with NaN).
 
-Quantized pools (`KVQuantConfig`, pagedjax/quant.py) store codes in k/v and float16 scales
-(and, for int4, zero points) next to them:
-  int8, fp8_*          k, v [L, N, H, bs, D] int8/float8; k_scale, v_scale [L, N, H, bs]
-  int4                 k, v [L, N, H, bs, D/2] uint8, two channels per byte;
-                       v_scale, v_zero [L, N, H, bs, D/g]; keys the same, or with
-                       key_per_channel k_scale, k_zero [L, N, H, D] (one range per block channel)
-K/V are quantized as they are written, so attention always reads what the cache really holds.
+How K/V are stored is the pool's storage scheme (kv_schemes.py), picked by its spec
+(`KVPool.spec`, a KVQuantConfig): float32/bfloat16 as is, or quantized codes in k/v with float16
+scales (and zero points) next to them, optionally with bfloat16 rings of each sequence's newest
+tokens. The scheme says which of the optional arrays exist and their shapes, quantizes as K/V are
+written (so attention always reads what the cache really holds) and dequantizes on read. This
+module holds the layout, allocation, byte counts, the paging geometry schemes write through, and
+the dispatch of attention to the kernels.
 """
-import dataclasses
 from typing import Optional
 
 import flax.struct
@@ -26,14 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels import paged_attention
-from pagedjax.device import kv_quant as quant
+from pagedjax.device import kv_schemes
+from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model import sharding
 
 # Block 0 is the null block (above). The host side names it too (pagedjax.host.allocator, which
 # must not import device code); tests/test_layers.py checks that the two agree.
 NULL_BLOCK = 0
-# Quantized layouts the attention kernels dequantize themselves (kernels/__init__.py).
-KERNEL_NATIVE = ('int8', 'fp8_e4m3')
 
 
 BLOCK_FIELDS = ('k', 'v', 'k_scale', 'v_scale', 'k_zero', 'v_zero')
@@ -41,16 +39,22 @@ BLOCK_FIELDS = ('k', 'v', 'k_scale', 'v_scale', 'k_zero', 'v_zero')
 
 @flax.struct.dataclass
 class KVPool:
-  k: jnp.ndarray  # [layers, blocks, kv_heads, block_size, head_dim (int4: head_dim / 2)]
-  v: jnp.ndarray  # same as k
-  k_scale: Optional[jnp.ndarray] = None  # quantized pools only, shapes in the module docstring
+  """The pool's arrays (a pytree; the storage spec is static). Which optional arrays exist and
+  their shapes are the scheme's (`KVScheme.shapes`, kv_schemes.py)."""
+  k: jnp.ndarray  # [layers, blocks, kv_heads, block_size, head_dim]: values or codes
+  v: jnp.ndarray  # same as k                                  (int4: head_dim / 2 bytes)
+  k_scale: Optional[jnp.ndarray] = None  # quantized schemes: float16 scales, block axis 1
   v_scale: Optional[jnp.ndarray] = None
-  k_zero: Optional[jnp.ndarray] = None  # int4 only
+  k_zero: Optional[jnp.ndarray] = None  # int4 only: float16 zero points
   v_zero: Optional[jnp.ndarray] = None
   recent_k: Optional[jnp.ndarray] = None  # [layers, lanes, kv_heads, recent_window, head_dim]
   recent_v: Optional[jnp.ndarray] = None  # bfloat16 rings; only with a recent window
-  scheme: quant.KVQuantConfig = flax.struct.field(pytree_node=False,
-                                                  default=quant.KVQuantConfig())
+  spec: KVQuantConfig = flax.struct.field(pytree_node=False, default=KVQuantConfig())
+
+  @property
+  def scheme(self) -> kv_schemes.KVScheme:
+    """The storage scheme object for `spec` (kv_schemes.py)."""
+    return kv_schemes.scheme_for(self.spec)
 
   def block_arrays(self) -> dict:
     """Field name -> array for every per-block array (block axis 1): what block copies and
@@ -71,7 +75,7 @@ class KVPool:
 
   @property
   def nbytes(self) -> int:
-    """True bytes held, scales and zero points included."""
+    """True bytes held, scales, zero points and recent-window rings included."""
     arrays = (self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero,
               self.recent_k, self.recent_v)
     return sum(a.nbytes for a in arrays if a is not None)
@@ -83,49 +87,60 @@ class KVPool:
     rings = sum(a.nbytes for a in (self.recent_k, self.recent_v) if a is not None)
     return (self.nbytes - rings) / (self.num_blocks * self.block_size)
 
+  # ---- paging geometry, for the schemes' writes ----
 
-def _shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim, q: quant.KVQuantConfig,
-            num_lanes: int = 0):
-  """Field name -> (shape, dtype) for a pool of this configuration."""
-  lead = (num_layers, num_blocks, num_kv_heads, block_size)
-  if q.recent_window:
-    ring = ((num_layers, num_lanes, num_kv_heads, q.recent_window, head_dim), quant.RECENT_DTYPE)
-    return {**_shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim,
-                      dataclasses.replace(q, recent_window=0)),
-            'recent_k': ring, 'recent_v': ring}
-  if not q.is_quantized:
-    dtype = quant.FLOAT_DTYPES[q.kv_dtype]
-    return {'k': (lead + (head_dim,), dtype), 'v': (lead + (head_dim,), dtype)}
-  if q.kv_dtype != 'int4':
-    dtype = jnp.int8 if q.kv_dtype == 'int8' else quant.FP8_DTYPES[q.kv_dtype]
-    return {'k': (lead + (head_dim,), dtype), 'v': (lead + (head_dim,), dtype),
-            'k_scale': (lead, quant.SCALE_DTYPE), 'v_scale': (lead, quant.SCALE_DTYPE)}
-  groups = lead + (head_dim // q.group_size,)
-  key_scales = lead[:3] + (head_dim,) if q.key_per_channel else groups
-  return {'k': (lead + (head_dim // 2,), jnp.uint8), 'v': (lead + (head_dim // 2,), jnp.uint8),
-          'k_scale': (key_scales, quant.SCALE_DTYPE), 'k_zero': (key_scales, quant.SCALE_DTYPE),
-          'v_scale': (groups, quant.SCALE_DTYPE), 'v_zero': (groups, quant.SCALE_DTYPE)}
+  def at_slots(self, array, layer, batch):
+    """`array.at[...]` for per-token updates [B, T, H, ...] at the step's slots
+    (batch.slot_mapping) of `layer`; `array` is a per-slot pool array [L, N, H, bs, ...]."""
+    slots = batch.slot_mapping
+    return array.at[layer, slots // self.block_size, :, slots % self.block_size]
+
+  def blocks_touched(self, batch):
+    """The blocks each row's new tokens land in, for schemes that rewrite whole blocks:
+    (start [B], count [B], logical [B, span], physical [B, span]). start is the position of the
+    row's first new token (0 for a row with none), count its real new tokens, logical the span
+    consecutive logical blocks from start's, physical their block-table entries, or the null
+    block where the row's new tokens do not reach (so a rewrite there is harmless). A row of T
+    new tokens touches at most (T - 1) // bs + 2 consecutive blocks; rows never share a block
+    they write."""
+    bs = self.block_size
+    num_new = batch.positions.shape[1]
+    span = (num_new + bs - 2) // bs + 1
+    count = (batch.positions >= 0).sum(axis=1)
+    start = jnp.where(count > 0, batch.positions[:, 0], 0)
+    logical = start[:, None] // bs + jnp.arange(span)  # [B, span]
+    max_logical = batch.block_tables.shape[1]
+    touched = (logical * bs < (start + count)[:, None]) & (logical < max_logical)
+    physical = jnp.take_along_axis(batch.block_tables, jnp.minimum(logical, max_logical - 1), 1)
+    return start, count, logical, jnp.where(touched, physical, NULL_BLOCK)
+
+
+def _shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim, spec: KVQuantConfig,
+            max_sequences: int):
+  """Field name -> (shape, dtype) for a pool of this configuration (lane 0 is the null lane)."""
+  return kv_schemes.scheme_for(spec).shapes((num_layers, num_blocks, num_kv_heads, block_size),
+                                            head_dim, max_sequences + 1)
 
 
 def init_pool(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=jnp.float32,
-              kv_quant: Optional[quant.KVQuantConfig] = None, max_sequences: int = 0) -> KVPool:
+              kv_quant: Optional[KVQuantConfig] = None, max_sequences: int = 0) -> KVPool:
   """An all-zero pool. `kv_quant` picks the storage; without it, plain `dtype` storage.
 
   With a recent window, `max_sequences` rings are made (lanes 1..max_sequences; lane 0 is the
   null lane that padded rows write into, like the null block).
   """
   if kv_quant is None:
-    kv_quant = quant.KVQuantConfig(jnp.dtype(dtype).name)
+    kv_quant = KVQuantConfig(jnp.dtype(dtype).name)
   kv_quant.validate(head_dim)
   if kv_quant.recent_window and max_sequences < 1:
     raise ValueError(f'a recent window needs max_sequences >= 1 lanes, got {max_sequences}')
   shapes = _shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_quant,
-                   max_sequences + 1)
+                   max_sequences)
   return KVPool(**{name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()},
-                scheme=kv_quant)
+                spec=kv_quant)
 
 
-def init_model_pool(model_cfg, num_blocks: int, block_size: int, kv_quant: quant.KVQuantConfig,
+def init_model_pool(model_cfg, num_blocks: int, block_size: int, kv_quant: KVQuantConfig,
                     max_sequences: int, mesh=None) -> KVPool:
   """An all-zero pool for a model (ModelConfig). With a mesh it is created already split over KV
   heads: each device allocates only its shard (a pool sized for the whole mesh need not fit on
@@ -138,145 +153,45 @@ def init_model_pool(model_cfg, num_blocks: int, block_size: int, kv_quant: quant
 
 
 def pool_bytes(num_layers, num_blocks, num_kv_heads, block_size, head_dim,
-               kv_quant: quant.KVQuantConfig, max_sequences: int = 0) -> int:
+               kv_quant: KVQuantConfig, max_sequences: int = 0) -> int:
   """Bytes of such a pool, computed without allocating it (sizing, capacity planning)."""
   shapes = _shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_quant,
-                   max_sequences + 1)
+                   max_sequences)
   return sum(int(np.prod(s)) * jnp.dtype(d).itemsize for s, d in shapes.values())
 
 
-# ---- writing ---------------------------------------------------------------------------------
-
-
 def write_kv(pool: KVPool, layer, k, v, batch) -> KVPool:
-  """Quantize (if needed) and store one layer's new K/V [B, T, Hkv, Dh] at `batch.slot_mapping`.
+  """Store one layer's new K/V [B, T, Hkv, Dh] at `batch.slot_mapping`, in the pool's scheme.
 
-  In place when the pool is donated. `batch` is the step's StepInputs (pagedjax/step_inputs.py).
+  In place when the pool is donated. `batch` is the step's StepInputs
+  (pagedjax/host/step_inputs.py).
   """
-  if pool.scheme.recent_window:
-    pool = _write_recent(pool, layer, k, v, batch)
-  slots = batch.slot_mapping
-  blocks, offsets = slots // pool.block_size, slots % pool.block_size
-  q = pool.scheme
-  at = lambda a: a.at[layer, blocks, :, offsets]  # [B, T] slots -> [B, T, H, ...] updates
-  if not q.is_quantized:
-    return pool.replace(k=at(pool.k).set(k.astype(pool.k.dtype)),
-                        v=at(pool.v).set(v.astype(pool.v.dtype)))
-  if q.kv_dtype != 'int4':
-    kq, ks = quant.quantize_symmetric(k, q.kv_dtype)
-    vq, vs = quant.quantize_symmetric(v, q.kv_dtype)
-    return pool.replace(k=at(pool.k).set(kq), v=at(pool.v).set(vq),
-                        k_scale=at(pool.k_scale).set(ks), v_scale=at(pool.v_scale).set(vs))
-  vq, vs, vz = quant.quantize_int4_groups(v, q.group_size)
-  pool = pool.replace(v=at(pool.v).set(vq), v_scale=at(pool.v_scale).set(vs),
-                      v_zero=at(pool.v_zero).set(vz))
-  if q.key_per_channel:
-    return _write_keys_per_channel(pool, layer, k, batch)
-  kq, ks, kz = quant.quantize_int4_groups(k, q.group_size)
-  return pool.replace(k=at(pool.k).set(kq), k_scale=at(pool.k_scale).set(ks),
-                      k_zero=at(pool.k_zero).set(kz))
-
-
-def _write_recent(pool: KVPool, layer, k, v, batch) -> KVPool:
-  """Ring write: position p of lane l lands in slot p % W. Only positions that are still among
-  the newest W after this step are written, so a chunk longer than W cannot collide with
-  itself; everything else (and padding) goes to the null lane 0."""
-  window = pool.scheme.recent_window
-  pos = batch.positions
-  keep = (pos >= 0) & (pos >= batch.context_lens[:, None] - window)
-  lanes = jnp.where(keep, batch.lanes[:, None], 0)
-  at = lambda a: a.at[layer, lanes, :, jnp.maximum(pos, 0) % window]
-  return pool.replace(recent_k=at(pool.recent_k).set(k.astype(quant.RECENT_DTYPE)),
-                      recent_v=at(pool.recent_v).set(v.astype(quant.RECENT_DTYPE)))
-
-
-def _write_keys_per_channel(pool: KVPool, layer, k, batch) -> KVPool:
-  """KIVI keys: a block's per-channel range covers all its tokens, so every block the chunk
-  touches is dequantized, merged with the new keys, and requantized over its valid tokens.
-  Codes of unchanged tokens survive exactly while the range does not grow. A row touches at most
-  (T - 1) // bs + 2 consecutive logical blocks; rows never share a block they write."""
-  bs = pool.block_size
-  num_rows, num_new = batch.positions.shape
-  span = (num_new + bs - 2) // bs + 1
-  real = batch.positions >= 0
-  count = real.sum(axis=1)  # real tokens of each row this step
-  start = jnp.where(count > 0, batch.positions[:, 0], 0)
-  logical = start[:, None] // bs + jnp.arange(span)  # [B, span]
-  max_logical = batch.block_tables.shape[1]
-  touched = (logical * bs < (start + count)[:, None]) & (logical < max_logical)
-  physical = jnp.take_along_axis(batch.block_tables, jnp.minimum(logical, max_logical - 1), 1)
-  physical = jnp.where(touched, physical, NULL_BLOCK)
-
-  old = quant.dequantize_int4_channels(pool.k[layer, physical], pool.k_scale[layer, physical],
-                                       pool.k_zero[layer, physical])  # [B, span, H, bs, D]
-  pos = logical[:, :, None] * bs + jnp.arange(bs)  # [B, span, bs]
-  rel = pos - start[:, None, None]
-  is_new = (rel >= 0) & (rel < count[:, None, None])
-  rows = jnp.arange(num_rows)[:, None, None]
-  new = k[rows, jnp.clip(rel, 0, num_new - 1)]  # [B, span, bs, H, D]
-  merged = jnp.where(is_new[:, :, None, :, None], jnp.swapaxes(new, 2, 3), old)
-  valid = pos < batch.context_lens[:, None, None]
-  packed, scale, zero = quant.quantize_int4_channels(merged, valid[:, :, None, :])
-  return pool.replace(k=pool.k.at[layer, physical].set(packed),
-                      k_scale=pool.k_scale.at[layer, physical].set(scale),
-                      k_zero=pool.k_zero.at[layer, physical].set(zero))
-
-
-# ---- reading ---------------------------------------------------------------------------------
+  return pool.scheme.write(pool, layer, k, v, batch)
 
 
 def dequantize_blocks(pool: KVPool, layer, tables):
   """K and V of the blocks in `tables` [B, MB], dequantized: two [B, MB, H, bs, D] float32."""
-  q_cfg = pool.scheme
-  pick = lambda a: None if a is None else a[layer, tables]
-  k, v = pick(pool.k), pick(pool.v)
-  if not q_cfg.is_quantized:
-    return k.astype(jnp.float32), v.astype(jnp.float32)
-  if q_cfg.kv_dtype != 'int4':
-    return (quant.dequantize_symmetric(k, pick(pool.k_scale)),
-            quant.dequantize_symmetric(v, pick(pool.v_scale)))
-  dequantize_keys = (quant.dequantize_int4_channels if q_cfg.key_per_channel
-                     else quant.dequantize_int4_groups)
-  return (dequantize_keys(k, pick(pool.k_scale), pick(pool.k_zero)),
-          quant.dequantize_int4_groups(v, pick(pool.v_scale), pick(pool.v_zero)))
-
-
-def _overlay_recent(pool: KVPool, layer, k, v, batch):
-  """Replace the newest W tokens of each row's dequantized blocks [B, MB, H, bs, D] by their
-  unquantized copies from the row's ring."""
-  window, bs = pool.scheme.recent_window, pool.block_size
-  width = k.shape[1]
-  pos = (jnp.arange(width)[:, None] * bs + jnp.arange(bs))  # [MB, bs]
-  ctx = batch.context_lens[:, None, None]
-  recent = (pos >= ctx - window) & (pos < ctx)  # [B, MB, bs]
-  ring = lambda a: a[layer, batch.lanes][:, :, pos % window]  # [B, H, MB, bs, D]
-  pick = lambda ring_vals, dense: jnp.where(recent[:, :, None, :, None],
-                                            jnp.moveaxis(ring_vals, 1, 2).astype(jnp.float32),
-                                            dense)
-  return pick(ring(pool.recent_k), k), pick(ring(pool.recent_v), v)
+  return pool.scheme.read_blocks(pool, layer, tables)
 
 
 def attend(pool: KVPool, layer, q, positions, batch, impl: str):
   """Paged attention of q [B, T, Hq, Dh] over this layer's blocks in `batch.block_tables`.
 
-  Float pools and the layouts the kernels read natively (int8 / fp8_e4m3 codes with one scale per
-  token and head) go straight to the kernels, which dequantize inside: no dequantized copy of the
-  pool. Other layouts (int4, fp8_e5m2) gather and dequantize only the blocks this batch
-  references, then hand them to the same kernels as a small pool whose block table is the
-  identity.
+  Schemes the kernels read natively (float pools; int8 / fp8_e4m3 codes with one scale per
+  token and head, without a recent window) go straight to the kernels, which dequantize inside:
+  no dequantized copy of the pool. Other schemes gather and dequantize only the blocks this
+  batch references (`KVScheme.read`), then hand them to the same kernels as a small pool whose
+  block table is the identity.
   """
+  scheme = pool.scheme
   args = (batch.block_tables, batch.context_lens, positions)
-  # The whole layer-stacked pool goes in with `layer`: slicing pool.k[layer] out here would copy
-  # that layer (every layer, every step) before a kernel loop could read it.
-  if not pool.scheme.is_quantized:
-    return paged_attention(q, pool.k, pool.v, *args, impl=impl, layer=layer)
-  if pool.scheme.kv_dtype in KERNEL_NATIVE and not pool.scheme.recent_window:
+  if scheme.kernel_native:
+    # The whole layer-stacked pool goes in with `layer`: slicing pool.k[layer] out here would
+    # copy that layer (every layer, every step) before a kernel loop could read it.
     return paged_attention(q, pool.k, pool.v, *args, impl=impl, layer=layer,
                            k_scales=pool.k_scale, v_scales=pool.v_scale)
   tables = batch.block_tables
-  k, v = dequantize_blocks(pool, layer, tables)
-  if pool.scheme.recent_window:
-    k, v = _overlay_recent(pool, layer, k, v, batch)
+  k, v = scheme.read(pool, layer, batch)
   num_rows, width = tables.shape
   flat = lambda x: x.reshape(num_rows * width, *x.shape[2:])
   identity = jnp.arange(num_rows * width, dtype=tables.dtype).reshape(num_rows, width)
