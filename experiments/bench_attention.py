@@ -10,14 +10,16 @@ load from other processes hits every variant alike:
   contiguous_flash  the online-softmax loop over [B, S/bs, Hkv, bs, D] (no indirection)
   <impl>            every paged path that runs natively on this backend
 plus this machine's memory bandwidth (read-only sum, and an in-place donated copy), timed in the
-same rounds. Figures are medians over rounds. `paged_over_contiguous` divides the best paged path by the best contiguous
-variant; `bandwidth_fraction` is the K/V bytes the best paged path reads per second over the
-copy bandwidth (bytes read + written per second). Nothing here asserts a time.
+same rounds. Figures are medians over rounds. `paged_over_contiguous` divides the best paged
+path by the best contiguous variant; `bandwidth_fraction` is the K/V bytes the best paged path
+reads per second over the copy bandwidth (bytes read + written per second). Nothing here
+asserts a time.
 
 Writes DIR/summary.json (figures, flags, versions, device, git revision) and DIR/results.jsonl
 (one row per variant and shape).
 """
 import functools
+import importlib
 import json
 import os
 import platform
@@ -113,18 +115,18 @@ def make_inputs(batch, num_kv_heads, num_heads, head_dim, block_size, context, d
   blocks_per_seq = -(-context // block_size)
   num_blocks = batch * blocks_per_seq + 1  # + the null block
   shape = (num_blocks, num_kv_heads, block_size, head_dim)
-  k_pages = rng.standard_normal(shape, np.float32)
-  v_pages = rng.standard_normal(shape, np.float32)
+  k_blocks = rng.standard_normal(shape, np.float32)
+  v_blocks = rng.standard_normal(shape, np.float32)
   block_tables = rng.permutation(np.arange(1, num_blocks)).reshape(batch, blocks_per_seq)
   # Contiguous copies of the same tokens in both contiguous layouts.
-  k5, v5 = k_pages[block_tables], v_pages[block_tables]  # [B, MB, Hkv, bs, D]
+  k5, v5 = k_blocks[block_tables], v_blocks[block_tables]  # [B, MB, Hkv, bs, D]
   k4 = k5.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
   v4 = v5.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
   context_lens = np.full((batch,), context, np.int32)
   as_dtype = lambda x: jnp.asarray(x, dtype)
   return dict(
       q=as_dtype(rng.standard_normal((batch, 1, num_heads, head_dim), np.float32)),
-      k_pages=as_dtype(k_pages), v_pages=as_dtype(v_pages),
+      k_blocks=as_dtype(k_blocks), v_blocks=as_dtype(v_blocks),
       block_tables=jnp.asarray(block_tables, jnp.int32),
       context_lens=jnp.asarray(context_lens),
       q_positions=jnp.asarray(context_lens[:, None] - 1),
@@ -199,7 +201,7 @@ def main(argv):
     for dtype_name in FLAGS.dtypes:
       dtype = jnp.dtype(dtype_name)
       x = make_inputs(*dims, context, dtype)
-      paged = (x['q'], x['k_pages'], x['v_pages'], x['block_tables'], x['context_lens'],
+      paged = (x['q'], x['k_blocks'], x['v_blocks'], x['block_tables'], x['context_lens'],
                x['q_positions'])
       fns = {
           'contiguous_dense': functools.partial(jax.jit(contiguous_dense), x['q'], x['k4'],
@@ -269,7 +271,7 @@ def main(argv):
 
 def _has_jax_triton():
   try:
-    import jax_triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    importlib.import_module('jax_triton')
   except Exception:  # pylint: disable=broad-except  # a mismatched jax raises more than ImportError
     return False
   return True

@@ -25,137 +25,87 @@ Context splits (flash-decoding). A program is a whole sequence's walk; decode of
 sequences gives too few programs to fill the GPU (an H100/H200 has 132 SMs; B * Hkv = 8 leaves
 most of them idle while 8 of them read the whole cache). With S > 1, program c walks logical
 blocks [c * per, min((c + 1) * per, count)), per = ceil(MB / S), and writes its unnormalised
-float32 state (acc [Rp, D], m [Rp], l [Rp]); `kernels.merge_split_states` (plain XLA, after the kernel)
-rescales each split by exp(m - max m) and normalises once; a split that saw nothing has m = -inf
-and weighs 0. With S == 1 the kernel writes the normalised output directly (no extra traffic).
-Default (`default_context_splits`): S = clamp(ceil(2 * SMs / (B * Hkv)), 1,
-ceil(MB / max(1, 256 // bs))): about two programs per SM, so one slow program does not leave
-the GPU idle, but at least ~256 tokens of the bucket per split, since shorter splits add partial
-writes and merge work for little parallelism. Both constants are unmeasured guesses (vLLM's
-paged attention v2 partitions at 512 tokens); tune them on the GPU. S is static (it sets the
-grid): it comes from shapes (block_tables.shape[1], the bucketed max blocks), never from traced
-lengths. SMs: the GPU device's `core_count` when it reports one, else 132 (H100 / H200).
+float32 state (acc [Rp, D], m [Rp], l [Rp]); `contract.merge_split_states` (plain XLA, after
+the kernel) rescales each split by exp(m - max m) and normalises once; a split that saw nothing
+has m = -inf and weighs 0. With S == 1 the kernel writes the normalised output directly (no
+extra traffic). S is static (it sets the grid); by default `contract.default_gpu_splits` picks
+it from shapes (about two programs per SM, at least ~256 tokens a split; its docstring says
+why), shared with kernels/triton.py.
 
 The pool is read layer-stacked, [L, N, Hkv, bs, D]: the model's `layer` (a traced int) arrives
 as a 1-element int32 array and the kernel indexes the stacked refs with it, so no layer is ever
-sliced out (that would copy it, every layer, every step). Single-layer pages are viewed as a
+sliced out (that would copy it, every layer, every step). Single-layer blocks are viewed as a
 stack of one.
 
-Quantized pages (int8 / float8_e4m3fn) come with per-(token, KV head) float32 scales
-[L, N, Hkv, bs]. Each step loads the block's [bs] scale rows next to it and converts the block to
-float32 in registers; the K scale multiplies the [Rp, bs] scores and the V scale the
-probabilities (as kernels/xla.py does): the block is only converted, and no dequantized copy
-of the pool is ever written. float8_e4m3fn conversion needs sm_89 or newer (the Triton lowering refuses it
-below); int8 runs on any GPU.
+Quantized blocks (int8 / float8_e4m3fn) come with per-(token, KV head) scales [L, N, Hkv, bs]
+(float16 from the engine's pool). Each step loads the block's [bs] scale rows next to it,
+widens them and converts the block to float32 in registers; the K scale multiplies the [Rp, bs]
+scores and the V scale the probabilities (as kernels/xla.py does): the block is only converted,
+and no dequantized copy of the pool is ever written. float8_e4m3fn conversion needs sm_89 or
+newer (the Triton lowering refuses it below); int8 runs on any GPU. Contract:
+kernels/contract.py.
 """
 import functools
-import numbers
 
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from kernels import as_layer_stacked, merge_split_states
-
-_MIN_DOT = 16  # Triton's dot needs every dimension >= 16
-
-
-def _pow2(n):
-  return n > 0 and n & (n - 1) == 0
+from kernels import contract
 
 
 # ------------------------------------------------------------------------------------------------
 # Wrapper
 # ------------------------------------------------------------------------------------------------
-def paged_attention_pallas_gpu(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                               scale=None, k_scales=None, v_scales=None, layer=None,
+def paged_attention_pallas_gpu(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                               *, scale=None, k_scales=None, v_scales=None, layer=None,
                                interpret=None, num_warps=4, num_stages=2, context_splits=None):
-  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs]. block_size
-  and head_dim must be powers of two.
+  """The contract's paged attention (kernels/contract.py); block_size and head_dim must be
+  powers of two.
 
-  layer: index into layer-stacked pages [L, N, ...] (and scales [L, N, Hkv, bs]), read in place.
+  layer: index into a layer-stacked pool [L, N, ...] (and scales), read in place.
   interpret: None interprets (on CPU) whenever the default backend is not a GPU.
   context_splits: split each sequence's blocks over that many programs (flash-decoding);
-  default: `default_context_splits` (see the module docstring).
+  default: contract.default_gpu_splits.
   """
-  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
-      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
-  block_size, head_dim = k_pages.shape[-2], k_pages.shape[-1]
-  if not (_pow2(block_size) and _pow2(head_dim)):
-    raise ValueError(f'pallas_gpu needs power-of-two block_size and head_dim (Triton block '
-                     f'shapes), got block_size={block_size}, head_dim={head_dim}')
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  k_blocks, v_blocks, k_scales, v_scales, layer = contract.as_layer_stacked(
+      q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
+  block_size, head_dim = k_blocks.shape[-2:]
+  contract.require_pow2('pallas_gpu', block_size, head_dim)
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
-  splits = split_count(context_splits, q.shape[0], k_pages.shape[2], block_tables.shape[1],
-                       block_size)
-  return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, jnp.asarray(layer, jnp.int32).reshape(1),
-                          scale=scale, interpret=bool(interpret), num_warps=num_warps,
+  splits = contract.split_count(context_splits, q.shape[0], k_blocks.shape[2],
+                                block_tables.shape[1], block_size)
+  return _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                          k_scales, v_scales, contract.layer_index(layer),
+                          scale=contract.softmax_scale(scale, q.shape[-1]),
+                          interpret=bool(interpret), num_warps=num_warps,
                           num_stages=num_stages, splits=splits)
-
-
-# Fallback SM count (H100 / H200) when the device does not report one (e.g. interpreting on CPU).
-_DEFAULT_SMS = 132
-# Fewest tokens worth a split of their own: below this the partial writes and the merge cost
-# more than the extra parallelism buys.
-_MIN_SPLIT_TOKENS = 256
-
-
-def default_context_splits(batch, num_kv_heads, max_blocks, block_size):
-  """Context splits for a GPU launch (a Python int, from shapes only): about two programs per SM,
-  at least ~256 tokens a split, at most one split per block. See the module docstring."""
-  device = jax.devices()[0]
-  sms = getattr(device, 'core_count', None) if device.platform == 'gpu' else None
-  sms = sms or _DEFAULT_SMS
-  wanted = -(-2 * sms // max(1, batch * num_kv_heads))
-  min_blocks = max(1, _MIN_SPLIT_TOKENS // block_size)
-  return max(1, min(wanted, -(-max_blocks // min_blocks)))
-
-
-def split_count(context_splits, batch, num_kv_heads, max_blocks, block_size):
-  """The static split count a launch uses: `context_splits` (None: the default heuristic),
-  validated, then trimmed so that no split starts past the last block (7 blocks in 5 splits
-  would give per = 2 and an empty fifth split: 4 splits of 2, 2, 2, 1 instead)."""
-  if context_splits is None:
-    context_splits = default_context_splits(batch, num_kv_heads, max_blocks, block_size)
-  if (isinstance(context_splits, bool) or not isinstance(context_splits, numbers.Integral)
-      or context_splits < 1):  # a static int: it sets the grid
-    raise ValueError(f'context_splits must be an int >= 1, got {context_splits!r}')
-  if max_blocks <= 1:
-    return 1
-  per = -(-max_blocks // min(int(context_splits), max_blocks))
-  return -(-max_blocks // per)
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'num_warps', 'num_stages',
                                              'splits'))
-def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales,
                      v_scales, layer, *, scale, interpret, num_warps, num_stages, splits):
   batch, num_q, num_heads, head_dim = q.shape
-  _, _, num_kv_heads, block_size, _ = k_pages.shape
+  _, _, num_kv_heads, block_size, _ = k_blocks.shape
   group = num_heads // num_kv_heads
-  rows = num_q * group
-  padded_rows = max(_MIN_DOT, pl.next_power_of_2(rows))
-  per_split = -(-block_tables.shape[1] // splits)  # logical blocks per split; the last may be short
+  rows = contract.gpu_rows(num_q * group)
+  max_blocks = block_tables.shape[1]
+  per_split = -(-max_blocks // splits)  # logical blocks per split; the last may be short
   quantized = k_scales is not None
 
-  # [B, T, Hkv, G, D] -> [B, Hkv, Rp, D]: a KV group's rows ordered (t, g), zero-padded.
-  qg = q.reshape(batch, num_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-  qg = qg.reshape(batch, num_kv_heads, rows, head_dim)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-  # Tokens each row sees; padded rows and padded queries see none.
-  seen = jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)  # [B, T]
-  row_seen = jnp.pad(jnp.repeat(seen, group, axis=1), ((0, 0), (0, padded_rows - rows)))
-  num_blocks = jnp.minimum(block_tables.shape[1],
-                           (jnp.max(seen, axis=1) + block_size - 1) // block_size)
+  qg = contract.group_rows(q, num_kv_heads, rows_to=rows)  # [B, Hkv, Rp, D], zero-padded
+  seen = contract.tokens_seen(q_positions, context_lens)
+  row_seen = contract.rows_seen(seen, group, rows_to=rows)  # padded rows see nothing
+  block_counts = contract.visible_blocks(seen, block_size, max_blocks)
 
-  # The whole array: pages (and scales) are picked inside the kernel by layer and block-table
+  # The whole array: blocks (and scales) are picked inside the kernel by layer and block-table
   # entry; left in HBM, only the blocks a program loads are read.
   whole = pl.BlockSpec()
-  operands = [qg, row_seen, block_tables, context_lens, num_blocks.astype(jnp.int32), layer,
-              k_pages, v_pages] + ([k_scales, v_scales] if quantized else [])
+  operands = [qg, row_seen, block_tables, context_lens, block_counts, layer,
+              k_blocks, v_blocks] + ([k_scales, v_scales] if quantized else [])
   # One split writes the normalised output; several write their unnormalised float32 state
   # (acc, m, l) for `merge_split_states` (float32 so the merge loses nothing).
   part = lambda shape: pl.BlockSpec((None, None, None) + shape,
@@ -163,29 +113,28 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
   part_shape = lambda shape, dtype: jax.ShapeDtypeStruct((batch, num_kv_heads, splits) + shape,
                                                          dtype)
   if splits == 1:
-    out_specs = part((padded_rows, head_dim))
-    out_shape = part_shape((padded_rows, head_dim), q.dtype)
+    out_specs = part((rows, head_dim))
+    out_shape = part_shape((rows, head_dim), q.dtype)
   else:
-    out_specs = [part((padded_rows, head_dim)), part((padded_rows,)), part((padded_rows,))]
-    out_shape = [part_shape((padded_rows, head_dim), jnp.float32),
-                 part_shape((padded_rows,), jnp.float32), part_shape((padded_rows,), jnp.float32)]
+    out_specs = [part((rows, head_dim)), part((rows,)), part((rows,))]
+    out_shape = [part_shape((rows, head_dim), jnp.float32),
+                 part_shape((rows,), jnp.float32), part_shape((rows,), jnp.float32)]
   kernel = functools.partial(_kernel, scale=scale, block_size=block_size, quantized=quantized,
                              per_split=per_split, partial_out=splits > 1)
   out = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, splits),
       in_specs=[
-          pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, c: (b, h, 0, 0)),
-          pl.BlockSpec((None, padded_rows), lambda b, h, c: (b, 0)),
+          pl.BlockSpec((None, None, rows, head_dim), lambda b, h, c: (b, h, 0, 0)),
+          pl.BlockSpec((None, rows), lambda b, h, c: (b, 0)),
       ] + [whole] * (len(operands) - 2),
       out_specs=out_specs,
       out_shape=out_shape,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
   )(*operands)
-  out = out[:, :, 0] if splits == 1 else merge_split_states(*out).astype(q.dtype)
-  out = out[:, :, :rows].reshape(batch, num_kv_heads, num_q, group, head_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, num_q, num_heads, head_dim)
+  out = out[:, :, 0] if splits == 1 else contract.merge_split_states(*out).astype(q.dtype)
+  return contract.ungroup_rows(out, num_q, num_heads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,7 +143,8 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
 def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref, v_ref, *rest,
             scale, block_size, quantized, per_split, partial_out):
   """q_ref [Rp, D]; seen_ref [Rp]; tables_ref [B, MB]; lens_ref, counts_ref [B]; layer_ref [1];
-  k_ref, v_ref the whole stacked pool [L, N, Hkv, bs, D]; (ks_ref, vs_ref [L, N, Hkv, bs]);
+  k_ref, v_ref the whole stacked pool [L, N, Hkv, bs, D]; (ks_ref, vs_ref [L, N, Hkv, bs], any
+  float dtype: widened here);
   o_ref [Rp, D] (partial_out: float32 acc, then om_ref, ol_ref [Rp]). Grid (b, h, split c)."""
   rest = list(rest)
   ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
@@ -205,7 +155,7 @@ def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref,
   length = lens_ref[b]
   layer = layer_ref[0]
   rows, head_dim = q.shape
-  use_dot = block_size >= _MIN_DOT
+  use_dot = block_size >= contract.MIN_DOT  # else multiply-and-reduce: a dot needs 16
   hi = jax.lax.Precision.HIGHEST
 
   def step(j, carry):
@@ -218,7 +168,7 @@ def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref,
                               preferred_element_type=f32)
     else:
       s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)
-    if quantized:  # k = stored * scale per token: scale the score columns, not the block
+    if quantized:  # k = code * scale per token: scale the score columns, not the block
       s = s * ks_ref[layer, block, h, :].astype(f32)[None, :]
     pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
     visible = pos < row_seen[:, None]
@@ -228,7 +178,7 @@ def _kernel(q_ref, seen_ref, tables_ref, lens_ref, counts_ref, layer_ref, k_ref,
     p = jnp.where(visible, jnp.exp(s - m_shift[:, None]), 0.0)
     alpha = jnp.exp(m - m_shift)
     l = l * alpha + jnp.sum(p, axis=1)  # the softmax denominator takes unscaled probabilities
-    if quantized:  # v = stored * scale: fold the scale into p; `where` again, a scale may be NaN
+    if quantized:  # v = code * scale: fold it into p; `where` again, a scale may be NaN
       p = jnp.where(visible, p * vs_ref[layer, block, h, :].astype(f32)[None, :], 0.0)
     slot = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, head_dim), 0)
     v = jnp.where(slot < length, v, 0.0)  # past-length slots hold garbage

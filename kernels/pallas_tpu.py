@@ -1,26 +1,30 @@
 """Paged attention as a Pallas/Mosaic TPU kernel (decode and chunked prefill).
 
-Grid (B, Hkv, S, MB/S): one program per (sequence, KV head, context split, logical block). The block table and the
-per-sequence block counts are scalar-prefetched into SMEM, so the K/V BlockSpecs' index maps can
-name the *physical* block: Pallas' pipeline then DMAs exactly that [bs, D] block from HBM into
-VMEM, double-buffered, while the previous one is being used. Logical blocks past a sequence's
-visible context map to its last visible block again: an unchanged block index makes the pipeline
-skip the copy, and `pl.when` skips the compute, so the null block and unowned blocks are never
-read for a real token.
+Grid (B, Hkv, S, MB/S): one program per (sequence, KV head, context split, logical block). The
+block table and the per-sequence block counts are scalar-prefetched into SMEM, so the K/V
+BlockSpecs' index maps can name the *physical* block: Pallas' pipeline then DMAs exactly that
+[bs, D] block from HBM into VMEM, double-buffered, while the previous one is being used. Logical
+blocks past a sequence's visible context map to its last visible block again: an unchanged
+block index makes the pipeline skip the copy, and `pl.when` skips the compute, so the null block
+and unowned blocks are never read for a real token.
 
 All T*G query rows of a KV group form one [R, D] tile (the group shares each K/V block); the
 running max, sum and accumulator live in VMEM scratch across the block axis ("arbitrary"), and
 the output tile is written once, at the split's last block. With S > 1 (flash-decoding: long
 contexts of too few sequences to occupy both TensorCores of a megacore chip) each split writes
-its unnormalised state and a small XLA merge combines them. Masking uses `where` so NaN/inf in slots past
-the length cannot reach the output.
+its unnormalised state and a small XLA merge combines them. Masking uses `where` so NaN/inf in
+slots past the length cannot reach the output.
 
-Quantized pages (int8 / float8_e4m3fn) come with per-(token, KV head) scales; each block's
-scales arrive as a [1, bs] row next to it and are applied to the scores (K) and the
-probabilities (V), so the [bs, D] block is only converted.
+The pool is read layer-stacked [L, N, Hkv, bs, D]: the layer is scalar-prefetched too and the
+K/V index maps name it, so each block is DMAed straight from the stacked pool.
+
+Quantized blocks (int8 / float8_e4m3fn) come with per-(token, KV head) scales (float16 from the
+engine's pool); each block's scales arrive as a [1, bs] row next to it, are widened to float32
+in the kernel and applied to the scores (K) and the probabilities (V), so the [bs, D] block is
+only converted.
 
 Off TPU the kernel runs in TPU interpret mode (`pltpu.InterpretParams`), which simulates the
-DMAs and SMEM/VMEM on CPU: slow (seconds a call), for tests only.
+DMAs and SMEM/VMEM on CPU: slow (seconds a call), for tests only. Contract: kernels/contract.py.
 """
 import functools
 
@@ -29,37 +33,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels import as_layer_stacked, merge_split_states
+from kernels import contract
 
 
 # ------------------------------------------------------------------------------------------------
 # Wrapper
 # ------------------------------------------------------------------------------------------------
-def paged_attention_pallas_tpu(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                               scale=None, k_scales=None, v_scales=None, interpret=None,
-                               layer=None, context_splits=None):
-  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
+def paged_attention_pallas_tpu(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                               *, scale=None, k_scales=None, v_scales=None, layer=None,
+                               interpret=None, context_splits=None):
+  """The contract's paged attention (kernels/contract.py).
 
-  interpret: None runs TPU interpret mode whenever the default backend is not a TPU.
-  layer: index into layer-stacked pages [L, N, ...] (and scales); the K/V index maps DMA that
+  layer: index into a layer-stacked pool [L, N, ...] (and scales); the K/V index maps DMA that
   layer's blocks straight from the stacked pool, so no layer is sliced out.
+  interpret: None runs TPU interpret mode whenever the default backend is not a TPU.
   context_splits: split each sequence's blocks over that many parallel programs
   (flash-decoding); default: 2 when there are fewer (sequence, KV head) programs than the two
-  TensorCores of a megacore chip, else 1.
+  TensorCores of a megacore chip, else 1. Trimmed to at most one split per block.
   """
-  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
-      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  k_blocks, v_blocks, k_scales, v_scales, layer = contract.as_layer_stacked(
+      q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   if interpret is None:
     interpret = jax.default_backend() != 'tpu'
-  if context_splits is None:
-    context_splits = 2 if q.shape[0] * k_pages.shape[2] < _CORES else 1
-  if context_splits < 1:
-    raise ValueError(f'context_splits must be >= 1, got {context_splits}')
-  context_splits = min(context_splits, block_tables.shape[1])  # at least one block per split
-  return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, jnp.asarray(layer, jnp.int32).reshape(1),
-                          scale=scale, interpret=bool(interpret), splits=context_splits)
+  splits = contract.check_context_splits(context_splits)
+  if splits is None:
+    splits = 2 if q.shape[0] * k_blocks.shape[2] < _CORES else 1
+  splits = min(splits, block_tables.shape[1])  # at least one block per split
+  return _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                          k_scales, v_scales, contract.layer_index(layer),
+                          scale=contract.softmax_scale(scale, q.shape[-1]),
+                          interpret=bool(interpret), splits=splits)
 
 
 # TensorCores sharing a "parallel" grid axis on one chip (megacore: v4, v5p).
@@ -67,23 +70,20 @@ _CORES = 2
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'interpret', 'splits'))
-def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales,
                      v_scales, layer, *, scale, interpret, splits):
   batch, num_q, num_heads, head_dim = q.shape
-  _, _, num_kv_heads, block_size, _ = k_pages.shape
+  _, _, num_kv_heads, block_size, _ = k_blocks.shape
   max_blocks = block_tables.shape[1]
   per_split = -(-max_blocks // splits)  # logical blocks per split; the last may run short
   group = num_heads // num_kv_heads
   rows = num_q * group
   quantized = k_scales is not None
 
-  # [B, T, Hkv, G, D] -> [B, Hkv, R, D]: the rows of a KV group, ordered (t, g).
-  qg = q.reshape(batch, num_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-  qg = qg.reshape(batch, num_kv_heads, rows, head_dim)
-  # Tokens each query sees (0 for a padded query), per row as a [R, 1] column.
-  seen = jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)  # [B, T]
-  row_seen = jnp.repeat(seen, group, axis=1)[:, :, None]  # [B, R, 1]
-  num_blocks = jnp.minimum(max_blocks, (jnp.max(seen, axis=1) + block_size - 1) // block_size)
+  qg = contract.group_rows(q, num_kv_heads)  # [B, Hkv, R, D]
+  seen = contract.tokens_seen(q_positions, context_lens)  # [B, T]
+  row_seen = contract.rows_seen(seen, group)[:, :, None]  # [B, R, 1]: a column per program
+  block_counts = contract.visible_blocks(seen, block_size, max_blocks)
 
   def block_index(b, c, j, tables, counts):
     # Past the visible blocks, repeat the last one: same index, so no new DMA.
@@ -99,10 +99,10 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
       pl.BlockSpec((None, rows, 1), lambda b, h, c, j, *_: (b, 0, 0)),
       kv_spec, kv_spec,
   ]
-  operands = [qg, row_seen, k_pages, v_pages]
+  operands = [qg, row_seen, k_blocks, v_blocks]
   if quantized:
     # [L, N, Hkv, bs] -> [L, N, Hkv, 1, bs] so a block's scales are a full-width [1, bs] row
-    # (a free reshape; the kernel widens them to float32 itself).
+    # (a free reshape; they stay float16 in HBM, the kernel widens them to float32).
     scale_spec = pl.BlockSpec((None, None, None, 1, block_size), kv_index)
     in_specs += [scale_spec, scale_spec]
     operands += [k_scales[:, :, :, None, :], v_scales[:, :, :, None, :]]
@@ -137,14 +137,13 @@ def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_position
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'parallel', 'arbitrary')),
       interpret=pltpu.InterpretParams() if interpret else False,
-  )(block_tables, num_blocks.astype(jnp.int32), context_lens, layer, *operands)
+  )(block_tables, block_counts, context_lens, layer, *operands)
   if splits == 1:
     out = out[:, :, 0]
   else:
     acc, m, l = out
-    out = merge_split_states(acc, m[..., 0], l[..., 0]).astype(q.dtype)
-  out = out.reshape(batch, num_kv_heads, num_q, group, head_dim).transpose(0, 2, 1, 3, 4)
-  return out.reshape(batch, num_q, num_heads, head_dim)
+    out = contract.merge_split_states(acc, m[..., 0], l[..., 0]).astype(q.dtype)
+  return contract.ungroup_rows(out, num_q, num_heads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +174,7 @@ def _kernel(tables_ref, counts_ref, lens_ref, layer_ref,  # scalar prefetch (SME
     q = q_ref[...].astype(f32) * scale
     k = k_ref[...].astype(f32)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-    if quantized:
+    if quantized:  # k = code * scale per token: scale the score columns, not the block
       s = s * ks_ref[...].astype(f32)
     rows = s.shape[0]
     pos = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
@@ -187,7 +186,7 @@ def _kernel(tables_ref, counts_ref, lens_ref, layer_ref,  # scalar prefetch (SME
     p = jnp.where(visible, jnp.exp(s - m_shift), 0.0)
     alpha = jnp.exp(m_prev - m_shift)
     l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
-    if quantized:
+    if quantized:  # v = code * scale: fold it into p; `where` again, a scale may be NaN
       p = jnp.where(visible, p * vs_ref[...].astype(f32), 0.0)
     slot = j * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_size, 1), 0)
     v = jnp.where(slot < lens_ref[b], v_ref[...].astype(f32), 0.0)  # past-length slots: garbage

@@ -14,16 +14,17 @@ Why this shape (measured on the 2-core CPU, see experiments/bench_attention.py):
 - Masking uses `where`, never multiply-by-zero: slots past a sequence's length and blocks it does
   not own (the null block 0 included) may hold NaN or inf, and 0 * NaN is NaN.
 
-Quantized pages (int8 / float8_e4m3fn) with per-(token, KV head) scales are dequantized here:
-the K scale multiplies the [R, bs] scores instead of the [bs, D] block, the V scale the
-probabilities, so the block itself is only converted.
+Quantized blocks (int8 / float8_e4m3fn) with per-(token, KV head) scales (float16 from the
+engine's pool) are dequantized here: the K scale multiplies the [R, bs] scores instead of the
+[bs, D] block, the V scale the probabilities, so the block itself is only converted. Contract:
+kernels/contract.py.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from kernels import as_layer_stacked, merge_split_states
+from kernels import contract
 
 # Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
 # than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.
@@ -35,78 +36,76 @@ _SEQ_SPLITS = 2
 # ------------------------------------------------------------------------------------------------
 # Wrapper
 # ------------------------------------------------------------------------------------------------
-def paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, q_positions, *,
-                        scale=None, k_scales=None, v_scales=None, context_splits=None,
-                        layer=None):
-  """Same contract as kernels/reference.py; optional int8/fp8 scales [N, Hkv, bs].
-  context_splits: split every sequence's context over that many loops (default: only when
-  there are fewer sequences than loops). layer: index into layer-stacked pages [L, N, ...]
-  (and scales), read in place block by block."""
-  k_pages, v_pages, k_scales, v_scales, layer = as_layer_stacked(
-      q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
-  return _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions,
-                          k_scales, v_scales, layer, scale, context_splits)
+def paged_attention_xla(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, *,
+                        scale=None, k_scales=None, v_scales=None, layer=None,
+                        context_splits=None):
+  """The contract's paged attention (kernels/contract.py). layer: index into a layer-stacked
+  pool [L, N, ...] (and scales), read in place block by block. context_splits: split every
+  sequence's context over that many loops (default: only when there are fewer sequences than
+  loops, see _paged_attention)."""
+  k_blocks, v_blocks, k_scales, v_scales, layer = contract.as_layer_stacked(
+      q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
+  return _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                          k_scales, v_scales, layer, contract.softmax_scale(scale, q.shape[-1]),
+                          contract.check_context_splits(context_splits))
 
 
 # ------------------------------------------------------------------------------------------------
 # Kernel body
 # ------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=('scale', 'context_splits'))
-def _paged_attention(q, k_pages, v_pages, block_tables, context_lens, q_positions, k_scales,
+def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales,
                      v_scales, layer, scale, context_splits=None):
   """The work runs as independent loops. With enough sequences they take slices of the batch,
   each stopping at its own longest context; with fewer sequences than loops (long-context decode
   of one or two sequences) they take slices of the context instead, flash-decoding style, and
-  their partial softmax states are merged (kernels.merge_split_states). `context_splits` forces
-  the latter (tests). Measured on the 2-core CPU with nothing else running: XLA already spreads
-  one loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster
-  than one (within noise), so the split costs nothing and keeps each loop's trip count tight."""
+  their partial softmax states are merged (contract.merge_split_states). `context_splits` forces
+  the latter. Measured on the 2-core CPU with nothing else running: XLA already spreads one
+  loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster than
+  one (within noise), so the split costs nothing and keeps each loop's trip count tight."""
   batch = q.shape[0]
-  args = (k_pages, v_pages, k_scales, v_scales, layer, scale)
+  args = (k_blocks, v_blocks, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
     bounds = [batch * i // _SEQ_SPLITS for i in range(_SEQ_SPLITS + 1)]
-    outs = [_finish(q[a:b], *_attend(q[a:b], block_tables[a:b], context_lens[a:b],
-                                     q_positions[a:b], *args)[1:])
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+      _, l, acc = _attend(q[a:b], block_tables[a:b], context_lens[a:b], q_positions[a:b], *args)
+      outs.append(_layout(q[a:b], acc / jnp.where(l > 0, l, 1.0)[..., None]))  # 0 if unseen
     return jnp.concatenate(outs, axis=0)
   splits = context_splits or _SEQ_SPLITS
   parts = [_attend(q, block_tables, context_lens, q_positions, *args, part=(i, splits))
            for i in range(splits)]
   m, l, acc = (jnp.stack(x, axis=2) for x in zip(*parts))  # [B, Hkv, S, R(, D)]
-  return _layout(q, merge_split_states(acc, m, l))
-
-
-def _finish(q, l, acc):
-  """Normalise one loop's state (a row that saw nothing gets 0) and lay it out."""
-  return _layout(q, acc / jnp.where(l > 0, l, 1.0)[..., None])
+  return _layout(q, contract.merge_split_states(acc, m, l))
 
 
 def _layout(q, out):
-  """[B, Hkv, R, D] rows, ordered (t, g), back out as [B, T, Hq, D] in q's dtype."""
-  batch, num_q, num_heads, head_dim = q.shape
-  num_kv_heads = out.shape[1]
-  out = out.reshape(batch, num_kv_heads, num_q, num_heads // num_kv_heads, head_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)
+  """[B, Hkv, R, D] rows back out as [B, T, Hq, D] in q's dtype."""
+  return contract.ungroup_rows(out, q.shape[1], q.shape[2]).astype(q.dtype)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
 
-def _as_bits(pages):
-  """Float pages narrower than 32 bits reinterpreted as unsigned ints (free). XLA CPU gathers
-  integers natively, but upcasts a bfloat16/fp8 operand of a gather to float32 first, and being
+def _as_bits(blocks):
+  """Float blocks narrower than 32 bits reinterpreted as unsigned ints. XLA CPU gathers integers
+  natively, but upcasts a bfloat16/fp8 operand of a gather to float32 first, and being
   loop-invariant that conversion is hoisted out of the loop: the whole pool (every layer's, in
-  the model's layer scan) converted on every call."""
-  if jnp.issubdtype(pages.dtype, jnp.floating) and pages.dtype.itemsize < 4:
-    return jax.lax.bitcast_convert_type(pages, _BITS[pages.dtype.itemsize])
-  return pages
+  the model's layer scan) converted on every call. The bitcast is not free either (measured,
+  jax 0.10.2, 2-core CPU): when the loop's trip count is traced, XLA materialises the bitcast
+  pool once per call as a copy in the entry computation, about 1 ms per MB of pool (36 ms for a
+  [8, 512, 2, 16, 64] bfloat16 pool, 0.2 ms in float32) -- but 3-4x less than the conversion.
+  (float16 scales are gathered as they are: no whole-array conversion shows in the compiled
+  loop.)"""
+  if jnp.issubdtype(blocks.dtype, jnp.floating) and blocks.dtype.itemsize < 4:
+    return jax.lax.bitcast_convert_type(blocks, _BITS[blocks.dtype.itemsize])
+  return blocks
 
 
-def _gather_block(pages_bits, layer, block, dtype):
-  """One block of every sequence, [B, Hkv, bs, D], as float32 (`pages_bits` from _as_bits,
+def _gather_block(bits, layer, block, dtype):
+  """One block of every sequence, [B, Hkv, bs, D], as float32 (`bits` from _as_bits,
   layer-stacked: the gather indexes the layer itself, so no layer is ever sliced out)."""
-  x = pages_bits[layer, block]
+  x = bits[layer, block]
   if dtype == jnp.bfloat16:  # bfloat16 is the top half of a float32: shift, no convert
     return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
   if x.dtype != dtype:
@@ -114,33 +113,30 @@ def _gather_block(pages_bits, layer, block, dtype):
   return x.astype(jnp.float32)
 
 
-def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scales, v_scales,
+def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_scales, v_scales,
             layer, scale, part=(0, 1)):
   """Online softmax over the blocks of context slice `part` = (index, count) -> the unnormalised
-  state (l [B, Hkv, R], acc [B, Hkv, R, D]) with its running max m, as (m, l, acc)."""
+  state (m running max, l sum [B, Hkv, R]; acc [B, Hkv, R, D]) as (m, l, acc)."""
   batch, num_q, num_heads, head_dim = q.shape
-  _, _, num_kv_heads, block_size, _ = k_pages.shape
+  _, _, num_kv_heads, block_size, _ = k_blocks.shape
   max_blocks = block_tables.shape[1]
   group = num_heads // num_kv_heads
   rows = num_q * group
   use_dot = rows >= _DOT_ROWS
   f32 = jnp.float32
 
-  # Rows of one KV group, ordered (t, g): [B, Hkv, R, D], pre-scaled once.
-  qg = (q.astype(f32) * scale).reshape(batch, num_q, num_kv_heads, group, head_dim)
-  qg = qg.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
-  # Tokens each query sees: positions < min(q_position + 1, context_len); 0 for padded queries.
-  seen = jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)  # [B, T]
+  qg = contract.group_rows(q.astype(f32) * scale, num_kv_heads)  # [B, Hkv, R, D], pre-scaled
+  seen = contract.tokens_seen(q_positions, context_lens)  # [B, T]
   if num_q == 1:  # decode: every row of a group sees the same tokens; keep the mask narrow
     row_seen = seen[:, None, :, None]  # [B, 1, 1, 1]
   else:
-    row_seen = jnp.repeat(seen, group, axis=1)[:, None, :, None]  # [B, 1, R, 1]
-  num_steps = jnp.minimum(max_blocks, (jnp.max(seen) + block_size - 1) // block_size)
+    row_seen = contract.rows_seen(seen, group)[:, None, :, None]  # [B, 1, R, 1]
+  num_steps = jnp.max(contract.visible_blocks(seen, block_size, max_blocks))
   index, count = part
   per_part = (num_steps + count - 1) // count
   first, last = index * per_part, jnp.minimum((index + 1) * per_part, num_steps)
 
-  k_bits, v_bits = _as_bits(k_pages), _as_bits(v_pages)
+  k_bits, v_bits = _as_bits(k_blocks), _as_bits(v_blocks)
 
   def step(j, carry):
     m, l, acc = carry  # [B, Hkv, R], [B, Hkv, R], [B, Hkv, R, D]
@@ -149,24 +145,24 @@ def _attend(q, block_tables, context_lens, q_positions, k_pages, v_pages, k_scal
     visible = pos[None, None, None, :] < row_seen  # [B, 1, R, bs]
     in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, bs, 1]
 
-    k = _gather_block(k_bits, layer, block, k_pages.dtype)  # [B, Hkv, bs, D]
+    k = _gather_block(k_bits, layer, block, k_blocks.dtype)  # [B, Hkv, bs, D]
     if use_dot:
       s = jnp.einsum('bhrd,bhsd->bhrs', qg, k)
     else:
       s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, bs]
-    if k_scales is not None:
-      s = s * k_scales[layer, block][:, :, None, :]
+    if k_scales is not None:  # k = code * scale per token: scale the score columns
+      s = s * k_scales[layer, block].astype(f32)[:, :, None, :]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp() stays NaN-free.
     m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.where(visible, jnp.exp(s - m_shift[..., None]), 0.0)
     alpha = jnp.exp(m - m_shift)
-    l = l * alpha + jnp.sum(p, axis=-1)
-    if v_scales is not None:
-      p = jnp.where(visible, p * v_scales[layer, block][:, :, None, :], 0.0)
+    l = l * alpha + jnp.sum(p, axis=-1)  # the denominator takes the unscaled probabilities
+    if v_scales is not None:  # v = code * scale: fold it into p; `where` again, a scale may be NaN
+      p = jnp.where(visible, p * v_scales[layer, block].astype(f32)[:, :, None, :], 0.0)
 
-    v = jnp.where(in_context, _gather_block(v_bits, layer, block, v_pages.dtype), 0.0)
+    v = jnp.where(in_context, _gather_block(v_bits, layer, block, v_blocks.dtype), 0.0)
     if use_dot:
       pv = jnp.einsum('bhrs,bhsd->bhrd', p, v)
     else:
