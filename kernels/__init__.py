@@ -14,6 +14,7 @@ Modules are imported on first use, so importing `kernels` (the model does) does 
 importing Pallas or Triton.
 """
 import importlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,20 @@ def best_impl(backend=None):
     # The Pallas kernel needs no extra package; `triton` needs jax_triton installed.
     return 'pallas_gpu'
   return 'xla'
+
+
+def runs_on(impl, backend=None):
+  """Whether the engine can run `impl` un-interpreted on a backend (default: JAX's default):
+  the Pallas kernels need their own hardware, and `triton` also the jax_triton package."""
+  backend = jax.default_backend() if backend is None else backend
+  gpu = backend in ('gpu', 'cuda', 'rocm')
+  if impl in ('auto', 'reference', 'xla'):
+    return True
+  if impl == 'pallas_tpu':
+    return backend == 'tpu'
+  if impl == 'triton':
+    return gpu and importlib.util.find_spec('jax_triton') is not None
+  return impl == 'pallas_gpu' and gpu
 
 
 def gpu_converts_fp8():

@@ -11,6 +11,7 @@ import os
 
 import jax
 
+import kernels
 from pagedjax.config import Config, ConfigError, validate_model_shape
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep
@@ -68,6 +69,10 @@ def load_model_and_tokenizer(config):
   (random models) or right after the checkpoint's shape is known (loaded ones).
   """
   config = typed(config)
+  if not kernels.runs_on(config.attention.impl):
+    raise ConfigError(f'config.attention.impl={config.attention.impl!r} is not allowed on this '
+                      f'{jax.default_backend()} machine: one of '
+                      f'{[i for i in ("auto",) + kernels.IMPLS if kernels.runs_on(i)]}')
   m = config.model
   tp = config.mesh.model
   cache_dir = os.path.expanduser(m.cache_dir) if m.cache_dir else None

@@ -1,6 +1,7 @@
 import pytest
 
 from configs import default
+import kernels
 from pagedjax import factory
 from pagedjax.config import ConfigError, validate_config
 
@@ -57,3 +58,14 @@ def test_a_pool_larger_than_memory_is_refused_before_anything_loads():
   config.pool.num_blocks = 256
   assert factory.check_pool_fits(factory.typed(config).model.random_model_config(),
                                  factory.typed(config), available=2**30) < 2**30
+
+
+def test_an_attention_path_this_machine_cannot_run_is_refused_before_loading():
+  config = default.get_config('tiny')
+  config.attention.impl = 'pallas_tpu'  # this CPU runs it only interpreted (tests), not in runs
+  if kernels.runs_on('pallas_tpu'):
+    pytest.skip('running on a TPU')
+  with pytest.raises(ConfigError, match=r"attention.impl='pallas_tpu' is not allowed on this cpu "
+                     r"machine: one of \['auto', 'reference', 'xla'\]"):
+    factory.load_model_and_tokenizer(config)
+  assert kernels.runs_on('triton', 'tpu') is False and kernels.runs_on('xla', 'tpu')
