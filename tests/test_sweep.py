@@ -47,9 +47,11 @@ def test_sweep_runs_each_point_once_and_skips_done_points(tmp_path):
   assert sweep.run_sweep(config, workdir, job=counting_job(calls)) == rows
   assert calls == []  # both points were in results.jsonl
 
-  config.sweep = list(config.sweep) + [{'pool.block_size': 32, 'pool.num_blocks': 17}]
+  # A new point with the shapes of a done one (no compilation): only it runs.
+  config.sweep = list(config.sweep) + [{'pool.block_size': 16, 'pool.num_blocks': 33,
+                                        'scheduler.watermark': 0.05}]
   rows = sweep.run_sweep(config, workdir, job=counting_job(calls))
-  assert calls == [32] and len(rows) == 3  # only the new point ran
+  assert calls == [16] and len(rows) == 3
 
   # The command line skips them all too (and so compiles nothing).
   out = subprocess.run(
