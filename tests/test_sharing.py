@@ -4,7 +4,6 @@ import json
 
 import hypothesis
 import hypothesis.strategies as st
-import numpy as np
 import pytest
 
 from pagedjax.engine import RequestError

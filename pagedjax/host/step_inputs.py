@@ -72,7 +72,8 @@ def padded_ids(ids: Sequence[int], buckets: Sequence[int]) -> np.ndarray:
 
 
 def build_step_inputs(rows: Sequence[RowSpec], block_size: int, batch_buckets: Sequence[int],
-                      token_buckets: Sequence[int], table_width_buckets: Sequence[int]) -> StepInputs:
+                      token_buckets: Sequence[int],
+                      table_width_buckets: Sequence[int]) -> StepInputs:
   num_rows = bucket(len(rows), batch_buckets)
   num_tokens = bucket(max(len(r.tokens) for r in rows), token_buckets)
   table_width = bucket(max(len(r.block_table) for r in rows), table_width_buckets)

@@ -464,7 +464,14 @@ def restore_cached(entry: str, fingerprint: Optional[dict] = None):
   fingerprint; every file under params/ against its recorded size and checksum; the restored
   arrays against the recorded paths, shapes and dtypes. Raises CacheEntryInvalid naming the
   first thing that does not verify."""
-  import orbax.checkpoint as ocp
+  cfg, arrays, files = _read_manifest(entry, fingerprint)
+  path = os.path.join(entry, 'params')
+  _verify_files(path, files)
+  return cfg, _restore_arrays(path, arrays)
+
+
+def _read_manifest(entry: str, fingerprint: Optional[dict]):
+  """(ModelConfig, {array: (shape, dtype)}, {file: (size, sha256)}) of a manifest that checks."""
   try:
     with open(os.path.join(entry, MANIFEST)) as f:
       manifest = json.load(f)
@@ -486,7 +493,11 @@ def restore_cached(entry: str, fingerprint: Optional[dict] = None):
     files = {rel: (int(f['size']), str(f['sha256'])) for rel, f in manifest['files'].items()}
   except (KeyError, TypeError, AttributeError, ValueError) as e:
     raise CacheEntryInvalid(f'{MANIFEST} lacks a valid field ({_one_line(e)})') from None
-  path = os.path.join(entry, 'params')
+  return cfg, arrays, files
+
+
+def _verify_files(path: str, files: dict) -> None:
+  """Every recorded file under params/ is there with its size and checksum."""
   if not os.path.isdir(path):
     raise CacheEntryInvalid('its params/ folder is missing')
   for rel, (size, _) in files.items():
@@ -500,6 +511,11 @@ def restore_cached(entry: str, fingerprint: Optional[dict] = None):
   for rel, (_, digest) in files.items():
     if checksums[rel] != digest:
       raise CacheEntryInvalid(f'params/{rel} does not match its checksum (damaged file)')
+
+
+def _restore_arrays(path: str, arrays: dict):
+  """The verified files restored onto the host, checked against the manifest's arrays."""
+  import orbax.checkpoint as ocp
   # Onto the host: the caller puts the verified arrays on its default device, whatever device
   # the entry was written from.
   target = _unflatten({name: jax.ShapeDtypeStruct(shape, dtype)
@@ -522,7 +538,7 @@ def restore_cached(entry: str, fingerprint: Optional[dict] = None):
     if got.shape != shape or got.dtype != dtype:
       raise CacheEntryInvalid(f'{name} restored as {got.dtype.name}{list(got.shape)}, the '
                               f'manifest says {dtype.name}{list(shape)}')
-  return cfg, params
+  return params
 
 
 def _checkpointer():
