@@ -24,6 +24,7 @@ from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
 from pagedjax.host.prefix_cache import EVICTION_POLICIES
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.host.scheduler import PREEMPTION_POLICIES
+from pagedjax.host.tier_cost import PROMOTION_RULES
 from pagedjax.model import sharding
 from pagedjax.model.llama import DTYPES, ModelConfig
 from pagedjax.workloads import DATASETS
@@ -217,6 +218,63 @@ class PrefixCacheConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TiersConfig:
+  """KV tiers under the prefix cache (pagedjax/host/kv_tiers.py): host RAM (tier 2) and a
+  tensorstore kvstore (tier 3) keep blocks the device evicts, and promote them back on a hit."""
+  host_blocks: int = 0  # tier-2 capacity in blocks; 0 = no host tier
+  disk_blocks: int = 0  # tier-3 capacity in blocks; 0 = no disk tier
+  # tier 3's tensorstore kvstore: a directory, 'file:///dir/', 'memory://name/', 'gs://...'
+  disk_kvstore: str = ''
+  write_through: bool = False  # copy blocks down as they fill (else only on eviction)
+  promotion: str = 'auto'  # auto (cost model) | load | recompute: what a lower-tier hit does
+  eviction: str = 'lru'  # lru | lfu, within tiers 2 and 3
+  # Most device blocks prefix_cache.pin() may keep (pinned prefixes are never evicted).
+  pinned_blocks: int = 0
+  # Cost-model figures (host/tier_cost.py); 0 = measured at engine start (promotion 'auto').
+  prefill_s_per_token: float = 0.0
+  host_bytes_per_s: float = 0.0
+  host_latency_s: float = 0.0
+  disk_bytes_per_s: float = 0.0
+  disk_latency_s: float = 0.0
+
+  def validate(self, pool: PoolConfig, max_seq_len: int, prefix_caching: bool):
+    for name in ('host_blocks', 'disk_blocks', 'pinned_blocks'):
+      value = getattr(self, name)
+      if not _is_int(value) or value < 0:
+        _fail(f'tiers.{name}', value, 'an integer >= 0 (blocks; 0 = none)')
+    if (self.enabled or self.pinned_blocks) and not prefix_caching:
+      name = next(n for n in ('host_blocks', 'disk_blocks', 'pinned_blocks') if getattr(self, n))
+      _fail(f'tiers.{name}', getattr(self, name),
+            "0 unless prefix_cache.enabled=True (the tiers hold the cache's blocks)")
+    # Pinned blocks leave the pool for good: the rest must still hold the longest request.
+    room = pool.num_blocks - 1 - math.ceil(max_seq_len / pool.block_size)
+    if self.pinned_blocks > max(room, 0):
+      _fail('tiers.pinned_blocks', self.pinned_blocks,
+            f'at most {max(room, 0)}: pool.num_blocks - 1 minus the blocks of one '
+            f'engine.max_seq_len={max_seq_len} request')
+    if self.disk_blocks and (not isinstance(self.disk_kvstore, str) or not self.disk_kvstore):
+      _fail('tiers.disk_kvstore', self.disk_kvstore,
+            "a directory or tensorstore kvstore URL ('file:///dir/', 'memory://name/') when "
+            'tiers.disk_blocks > 0')
+    if not isinstance(self.write_through, bool):
+      _fail('tiers.write_through', self.write_through, 'True or False')
+    if self.promotion not in PROMOTION_RULES:
+      _fail('tiers.promotion', self.promotion, f'one of {PROMOTION_RULES}')
+    if self.eviction not in EVICTION_POLICIES:
+      _fail('tiers.eviction', self.eviction, f'one of {EVICTION_POLICIES}')
+    for name in ('prefill_s_per_token', 'host_bytes_per_s', 'host_latency_s',
+                 'disk_bytes_per_s', 'disk_latency_s'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+          0 <= value < math.inf):
+        _fail(f'tiers.{name}', value, 'a finite number >= 0 (0 = measured at engine start)')
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.host_blocks or self.disk_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
   model: int = 1  # tensor-parallel degree: KV pool over KV heads, weights over heads / MLP
 
@@ -235,6 +293,7 @@ class Config:
   engine: EngineConfig = EngineConfig()
   scheduler: SchedulerConfig = SchedulerConfig()
   prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+  tiers: TiersConfig = TiersConfig()
   sampling: SamplingParams = SamplingParams()
   mesh: MeshConfig = MeshConfig()
 
@@ -248,6 +307,7 @@ class Config:
     self.engine.validate()
     self.scheduler.validate(self.engine.max_batch_size)
     self.prefix_cache.validate()
+    self.tiers.validate(self.pool, self.engine.max_seq_len, self.prefix_cache.enabled)
     try:
       self.sampling.validate()
     except ValueError as e:

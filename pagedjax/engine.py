@@ -14,10 +14,10 @@ import collections
 import time
 from typing import Callable, List, Optional, Sequence as Seq, Union
 
+from pagedjax import tiering
 from pagedjax.config import Config
-from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep
-from pagedjax.executor import PlanExecutor
+from pagedjax.executor import DEVICE
 from pagedjax.host.allocator import BlockAllocator
 from pagedjax.host.beam_search import BeamSearch
 from pagedjax.host.block_manager import BlockManager
@@ -42,14 +42,14 @@ class Engine:
   def __init__(self, model_cfg: ModelConfig, params, config: Config = Config(), *,
                tokenizer=None, eos_id: Optional[int] = None, record_logits: bool = False,
                step_fn: Optional[CompiledStep] = None, shuffle_blocks_seed: Optional[int] = None,
-               timer: Callable[[], float] = time.perf_counter, mesh=None):
+               timer: Callable[[], float] = time.perf_counter, mesh=None, backend=DEVICE):
     """config: the typed config (config.py); its model section is the factory's business.
 
     step_fn lets engines of the same model share compiled steps (tests, sweeps).
     shuffle_blocks_seed scatters physical block placement (tests: nothing may depend on it).
     timer: the clock's source (tests inject one). mesh: the ('model',) mesh of a tensor-parallel
     engine (factory.make_engine passes it with params and a step_fn built for it); the pool is
-    then created split over KV heads.
+    then created split over KV heads. backend: executor.DEVICE, or pagedjax/sim's simulated one.
     """
     self.cfg, self.config = model_cfg, config.validate()
     pool_cfg, eng, sched = config.pool, config.engine, config.scheduler
@@ -61,8 +61,8 @@ class Engine:
     self.block_manager = BlockManager(
         self.allocator, pool_cfg.block_size, pool_cfg.kind, self.max_seq_len,
         watermark_blocks=int(sched.watermark * (pool_cfg.num_blocks - 1)))
-    pool = pool_lib.init_model_pool(model_cfg, pool_cfg.num_blocks, pool_cfg.block_size,
-                                    pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
+    pool = backend.init_model_pool(model_cfg, pool_cfg.num_blocks, pool_cfg.block_size,
+                                   pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
     self.tier = tier = (HostTier(pool.block_array_shapes(), sched.swap_blocks or
                                  pool_cfg.num_blocks - 1) if sched.preemption == 'swap' else None)
     self.scheduler = Scheduler(
@@ -71,20 +71,20 @@ class Engine:
                                 eng.max_batch_size * eng.prefill_chunk),
         preemption=sched.preemption, host_allocator=tier and tier.allocator)
     self.stats = collections.Counter()
-    self.executor = PlanExecutor(
-        params, pool, step_fn or CompiledStep(model_cfg, config.attention.impl, record_logits),
+    self.executor = backend.executor(
+        params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
         self.block_manager, vocab_size=model_cfg.vocab_size, max_batch_size=eng.max_batch_size,
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, tier=tier, timer=timer,
         stats=self.stats)
+    self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
     self.intake = RequestIntake(
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,
         max_batch_size=eng.max_batch_size, can_share=not pool.scheme.recent_window,
         eos_id=eos_id, tokenizer=tokenizer)
     self.lanes = Lanes(eng.max_batch_size)
     self.beams = BeamSearch(self.scheduler, self.lanes, self.stats, self.max_seq_len)
-    self.metrics = Metrics(pool_cfg.block_size, pool_cfg.num_blocks)
-    self.clock = 0.0
-    self._timer = timer
+    self.metrics = Metrics(pool_cfg.block_size, pool_cfg.num_blocks, self.prefix_cache)
+    self.clock, self._timer = 0.0, timer
     self.completions = Completions(self.metrics, tokenizer)
     self.finished = self.completions.finished  # request id -> Completion
 

@@ -1,9 +1,12 @@
 """Runs one iteration's plan (pagedjax/host/scheduler.py) on the device, in this order:
 
-  1. one gather of every block swapped out, then one copy of every copy-on-write block, then one
-     scatter of every block swapped in (pagedjax/device/block_transfer.py; block ids padded to
-     power-of-two buckets with the null block);
-  2. one jitted step for the prompt chunks, then one for the decodes (one query token each).
+  1. one gather of every block swapped out and every block demoted to a lower KV tier since the
+     last gather (host/kv_tiers.py: evicted ones must be read before this iteration writes into
+     them), then one copy of every copy-on-write block, then one scatter of every block swapped
+     in and every block promoted from a lower tier (pagedjax/device/block_transfer.py; block
+     ids padded to power-of-two buckets with the null block);
+  2. one jitted step for the prompt chunks, then one for the decodes (one query token each);
+  3. with write-through tiers, one gather of the blocks those steps filled and the cache took.
      Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
      decode row would pay for a whole chunk of query tokens. Chunks go first, so a prompt that
      finishes samples its first token in the same iteration.
@@ -21,6 +24,8 @@ import jax
 import numpy as np
 
 from pagedjax.device import block_transfer, traces
+from pagedjax.device import pool as pool_lib
+from pagedjax.device.step import CompiledStep
 from pagedjax.host import beam as beam_lib
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.host_tier import HostTier
@@ -33,13 +38,15 @@ class PlanExecutor:
   def __init__(self, params, pool, step_fn, blocks: BlockManager, *, vocab_size: int,
                max_batch_size: int, prefill_chunk: int, max_seq_len: int,
                tier: Optional[HostTier], timer: Callable[[], float], stats: collections.Counter):
-    self.params, self.pool, self.step_fn, self.blocks, self.tier = params, pool, step_fn, blocks, tier
+    self.params, self.pool, self.step_fn = params, pool, step_fn
+    self.blocks, self.tier = blocks, tier
     self.vocab_size = vocab_size
     self._timer, self.stats = timer, stats
     self.record_logits = step_fn.return_logits
     block_size, num_blocks = blocks.block_size, blocks.allocator.num_blocks
     self.block_size = block_size
-    self.transfer_buckets = power_of_two_buckets(max(num_blocks - 1, 1))
+    # Up to twice the pool: one gather may read a block for a swap-out and for a demotion.
+    self.transfer_buckets = power_of_two_buckets(max(2 * (num_blocks - 1), 1))
     self.batch_buckets = power_of_two_buckets(max_batch_size)
     # Decode calls start at 8 rows: fewer rows only happen at a run's start and tail, and a
     # padded decode row costs little next to a compilation.
@@ -64,35 +71,69 @@ class PlanExecutor:
       if rows:
         sampled += self._run(rows, kind, timing)
         self.stats[f'{kind}_steps'] += 1
+    tiers = self.blocks.tiers
+    if tiers is not None:
+      demoted = tiers.take_demotions()  # write-through: the blocks the steps just filled
+      if demoted:
+        self._timed(timing, self._swap_out, [], demoted)
+      tiers.end_iteration()
     return sampled
 
   # ---- block movement ----------------------------------------------------------------------
 
   def _move_blocks(self, plan: Plan, timing) -> None:
-    if plan.swap_out:
-      self.stats['swapped_out_blocks'] += self._timed(timing, self._swap_out, plan.swap_out)
-    if plan.copies:  # after swap-out read the blocks preempted now, before anything writes
-      self.pool = self._timed(timing, self._copy, plan.copies)
+    tiers = self.blocks.tiers
+    demoted = tiers.take_demotions() if tiers is not None else []
+    if plan.swap_out or demoted:  # one gather for both (a subclass may time swaps only)
+      args = (plan.swap_out, demoted) if demoted else (plan.swap_out,)
+      self.stats['swapped_out_blocks'] += self._timed(timing, self._swap_out, *args)
+    # After the gather read the blocks preempted or evicted now: copy-on-write copies, and
+    # blocks evicted now that a lookup found again (kv_tiers.py, tier-1 hits).
+    copies = plan.copies + (tiers.take_copies() if tiers is not None else [])
+    if copies:
+      self.pool = self._timed(timing, self._copy, copies)
       self.stats['cow_copies'] += len(plan.copies)
-    if plan.swap_in:
-      self.pool = self._timed(timing, self._swap_in, plan.swap_in)
+    promoted = tiers.take_promotions() if tiers is not None else []
+    if plan.swap_in or promoted:  # one scatter for both
+      args = (plan.swap_in, promoted) if promoted else (plan.swap_in,)
+      self.pool = self._timed(timing, self._swap_in, *args)
       self.stats['swapped_in_blocks'] += sum(len(src) for src, _ in plan.swap_in)
 
-  def _swap_out(self, copies) -> int:
-    """Device -> host for every (device blocks, host blocks) pair; returns blocks copied."""
+  def _swap_out(self, copies, demoted=()) -> int:
+    """Device -> host in one gather: every (device blocks, host blocks) pair of a swap-out into
+    the swap tier, and the blocks demoted to the KV tiers; returns the blocks swapped out."""
+    start = self._timer()
     device = [b for src, _ in copies for b in src]
-    host = [b for _, dst in copies for b in dst]
-    data = block_transfer.gather_blocks(self.pool, padded_ids(device, self.transfer_buckets))
-    self.tier.store(host, jax.device_get(data))
+    ids = device + [d.block for d in demoted]
+    data = jax.device_get(
+        block_transfer.gather_blocks(self.pool, padded_ids(ids, self.transfer_buckets)))
+    if device:
+      self.tier.store([b for _, dst in copies for b in dst], data)
+    if demoted:
+      tiers = self.blocks.tiers
+      tiers.store_demotions(demoted, {name: a[:, len(device):len(ids)]
+                                      for name, a in data.items()})
+      tiers.counters['demote_seconds'] += self._timer() - start
     return len(device)
 
-  def _swap_in(self, copies):
-    """Host -> device for every (host blocks, device blocks) pair; returns the new pool."""
+  def _swap_in(self, copies, promoted=()):
+    """Host -> device in one donated scatter: every (host blocks, device blocks) pair of a
+    swap-in, and the blocks promoted from the KV tiers. Returns the new pool."""
+    start = self._timer()
     host = [b for src, _ in copies for b in src]
-    ids = padded_ids([b for _, dst in copies for b in dst], self.transfer_buckets)
-    # Padding copies host block 0 (unused) into the null block.
-    pool = block_transfer.scatter_blocks(self.pool, ids, self.tier.load(host, len(ids)))
-    return jax.block_until_ready(pool)
+    ids = [b for _, dst in copies for b in dst] + [p.block for p in promoted]
+    parts = ([self.tier.load(host, len(host))] if host else []) + (
+        [self.blocks.tiers.load(promoted)] if promoted else [])
+    padded = padded_ids(ids, self.transfer_buckets)
+    data = {}
+    for name in parts[0]:  # padding writes zeros into the null block
+      joined = np.concatenate([part[name] for part in parts], axis=1)
+      pad = [(0, 0), (0, len(padded) - len(ids))] + [(0, 0)] * (joined.ndim - 2)
+      data[name] = np.pad(joined, pad)
+    pool = jax.block_until_ready(block_transfer.scatter_blocks(self.pool, padded, data))
+    if promoted:
+      self.blocks.tiers.counters['promote_seconds'] += self._timer() - start
+    return pool
 
   def _copy(self, copies):
     src, dst = zip(*copies)
@@ -154,3 +195,15 @@ class PlanExecutor:
     self.stats['compilations'] += compiled
     timing['compile' if compiled else 'device'] += self._timer() - t0
     return out
+
+
+class Device:
+  """What an engine runs its plans on (`Engine(backend=...)`): the device's pool, this executor
+  and the jitted step. pagedjax/sim/simulated_device.py offers the same three, timed by a cost
+  model instead of run."""
+  init_model_pool = staticmethod(pool_lib.init_model_pool)
+  executor = PlanExecutor
+  step = CompiledStep
+
+
+DEVICE = Device()

@@ -6,7 +6,8 @@ block, see device/pool.py) is reserved and never handed out.
 A block's ref count is the number of sequences holding it (forks and prefix hits share blocks).
 With a prefix cache (prefix_cache.py) a cached block whose count drops to 0 is not freed but
 becomes evictable: it still counts as available (`num_free`), and `allocate` evicts such blocks,
-by the cache's policy, only once the plain free list is empty.
+by the cache's policy, only once the plain free list is empty. A pinned cached block no
+sequence holds (prefix_cache.py: pinning) is neither free nor evictable.
 """
 import numbers
 import random
@@ -63,8 +64,8 @@ class BlockAllocator:
   def take_cached(self, block: int) -> None:
     """One more holder of a cached block, which may be evictable (ref count 0) right now."""
     self._check(block)
-    if self._ref_counts[block] == 0 and not self.cache.is_evictable(block):
-      raise ValueError(f'block {block} is neither held nor evictable')
+    if self._ref_counts[block] == 0 and not self.cache.is_idle(block):
+      raise ValueError(f'block {block} is neither held nor idle in the cache')
     self.cache.touch(block)
     self._ref_counts[block] += 1
 

@@ -17,6 +17,10 @@ Sharing (either kind):
                 are taken instead of allocated, and their tokens count as cached, so prefill
                 skips them. At most num_tokens - 1 tokens are taken: the last prompt token must
                 run to give logits to sample from. Blocks that fill up are offered to the cache.
+  lower tiers   with host-RAM / disk tiers under the cache (kv_tiers.py), the lookup continues
+                past the device hits; the blocks found there that the cost model says to load
+                get fresh device blocks, filled by the executor before this iteration's steps,
+                and their tokens count as cached too.
   fork          a child shares every block of its parent (ref count +1 each).
   copy-on-write before a sequence writes into a block someone else also holds, it takes a new
                 block and the plan records (old, new); the engine copies all of an iteration's
@@ -63,6 +67,11 @@ class BlockManager:
   def cache(self):
     return self.allocator.cache
 
+  @property
+  def tiers(self):
+    """The lower KV tiers under the prefix cache (kv_tiers.KVTiers), or None."""
+    return self.cache.lower if self.cache is not None else None
+
   def can_allocate(self, seq: Sequence, watermark: bool = True) -> bool:
     """Room to (re)admit seq with blocks for all its tokens (contiguous: its reservation)."""
     headroom = self.watermark_blocks if watermark else 0
@@ -101,12 +110,26 @@ class BlockManager:
     hits = self._prefix_hits(seq)
     for b in hits:
       self.allocator.take_cached(b)
+    n = (seq.num_tokens - 1) // self.block_size
     if self.cache is not None:
-      self.cache.record_lookup((seq.num_tokens - 1) // self.block_size, len(hits),
-                               seq.num_tokens)
+      self.cache.record_lookup(n, len(hits), seq.num_tokens)
     seq.block_table = list(hits)
     seq.num_cached, seq.num_offered = len(hits) * self.block_size, len(hits)
+    if self.tiers is not None and len(hits) < n:
+      self._promote(seq, n)
     return self.allocate(seq)
+
+  def _promote(self, seq: Sequence, n: int) -> None:
+    """Continues seq's cached prefix below the device, up to its block n - 1 (kv_tiers.py)."""
+    start = len(seq.block_table)
+    found = self.tiers.find(seq, start, n)
+    if found:
+      # Fresh blocks: the data found below is copied out (tier 2) or pinned (tier 3) already,
+      # so evictions these allocations cause cannot take it away.
+      blocks = self.allocator.allocate(len(found))
+      seq.block_table += blocks
+      seq.num_cached += len(found) * self.block_size
+      self.tiers.promote(seq, start, blocks, found)
 
   def offer_full_blocks(self, seq: Sequence) -> None:
     """Offers seq's newly filled blocks to the prefix cache (after the step that wrote them)."""

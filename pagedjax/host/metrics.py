@@ -10,6 +10,8 @@ null block, excluded) fall in exactly one of:
   free_unusable           free slots while the waiting head was refused for lack of blocks
                           (too few for its reservation or prompt, or under the watermark)
   free_idle               other free slots: nothing was waiting for them
+  pinned                  slots of pinned cached blocks no sequence holds (prefix_cache.py:
+                          pinning): kept for prefixes expected back, neither free nor evictable
 Run figures are sums over iterations (each iteration is one state of the pool), so
 `kv_utilization` = sum token_states / sum reserved slots, reserved being the first three: the
 share of the memory handed to sequences that holds token states, the figure the vLLM paper
@@ -31,7 +33,8 @@ from pagedjax.host.sequence import Completion, Sequence
 ENGINE_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
                    'swapped_out_blocks', 'swapped_in_blocks', 'forks', 'cow_copies',
                    'prompt_tokens_submitted', 'prompt_tokens_computed', 'aborted')
-WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle')
+WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle',
+         'pinned')
 
 
 def slot_usage(seqs: Seq[Sequence], block_size: int) -> Dict[str, int]:
@@ -61,8 +64,9 @@ def percentile(values, q) -> Optional[float]:
 
 class Metrics:
 
-  def __init__(self, block_size: int, num_blocks: int):
-    self.block_size = block_size
+  def __init__(self, block_size: int, num_blocks: int, cache=None):
+    """cache: the prefix cache, whose pinned idle blocks are neither held nor free."""
+    self.block_size, self.cache = block_size, cache
     self.capacity = (num_blocks - 1) * block_size
     self.steps: Dict[str, List[float]] = collections.defaultdict(list)
     self.requests: List[Completion] = []
@@ -75,6 +79,7 @@ class Metrics:
     free = free_blocks * self.block_size
     usage['free_unusable'] = free if memory_blocked else 0
     usage['free_idle'] = free - usage['free_unusable']
+    usage['pinned'] = self.cache.num_pinned_idle * self.block_size if self.cache else 0
     if sum(usage.values()) != self.capacity:  # a leaked or doubly held block
       raise RuntimeError(f'slot accounting {usage} does not add up to the pool\'s '
                          f'{self.capacity} slots')

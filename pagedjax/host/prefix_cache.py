@@ -5,9 +5,13 @@ cache salt). The salt enters only the first block's key, and the chain carries i
 one, so requests with different salts (tenants that must not share) never match each other.
 The key covers the whole prefix, so a hit on block i means blocks 0..i are equal too; only
 full blocks are keyed, because a partly filled block is still being written. Keys are 64-bit
-Python hashes, which are not collision-resistant (token ids can be chosen to collide), so every
-entry also keeps the content it was keyed on (parent key, token ids, salt) and a hit counts only
-when that content equals the query's: a collision costs a miss, never another prefix's K/V.
+BLAKE2b digests of a canonical encoding of that content (`content_bytes`), so they are the same
+in every process (a disk tier, host/disk_store.py, finds its blocks again after a restart; Python's
+hash() of a str or None changes from one process to the next). 64 bits are not
+collision-resistant (token ids can be chosen to collide), so every entry also keeps the content
+it was keyed on (parent key, token ids, salt) and a hit counts only when that content equals the
+query's: a collision costs a miss, never another prefix's K/V. Lookups walk a prompt's blocks in
+order and stop at the first miss, so a hit on block i has had blocks 0..i-1 verified too.
 
 Holders and reference counts (allocator.py): a block's ref count is the number of *sequences*
 whose block table holds it. A cache entry is not a holder: when the last sequence drops a
@@ -17,7 +21,21 @@ prompt with the same prefix takes it back (ref count 0 -> 1), and the allocator 
 
 Eviction: 'lru' evicts the block released longest ago; 'lfu' the one with the fewest hits,
 least recently used first among equals. A lazy heap keeps both O(log n) per operation.
+
+Pinning: `pin(token_ids, salt)` keeps the full blocks of a prefix (a system prompt, a RAG
+document, an agent scaffold) on the device: a pinned block no sequence holds is *pinned idle*,
+neither free nor evictable, until `unpin`. A pin covers a whole prefix, so every pinned block's
+ancestors are pinned too (the radix tree's leaves-first eviction stays possible). Pins are
+counted in blocks against `pin_budget` (config tiers.pinned_blocks); a pin beyond it raises
+PinError and pins nothing. A key pinned before its block is cached is pinned once it is.
+
+Lower tiers (host/kv_tiers.py): a cache may have `lower` tiers attached (host RAM, disk). It then
+tells them when it evicts a block (`lower.evicted`: write-back, the block is demoted instead of
+dropped) and when it caches a newly filled one (`lower.cached`: write-through); the block
+manager continues a prefix lookup past the device hits into them.
 """
+import array
+import hashlib
 import heapq
 import itertools
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
@@ -26,15 +44,34 @@ DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
 EVICTION_POLICIES = ('lru', 'lfu')
 
 
+class PinError(ValueError):
+  """A pin that would exceed the pinned budget (or an unpin of a prefix not pinned)."""
+
+
 def block_content(parent: Optional[int], tokens: Seq[int], salt=None) -> Tuple:
   """What one full block's key stands for: its parent's key, its token ids and (first block
   only) the salt."""
   return (parent, tuple(tokens), salt if parent is None else None)
 
 
+def content_bytes(parent: Optional[int], tokens: Seq[int], salt=None) -> bytes:
+  """A canonical, injective byte encoding of block_content(parent, tokens, salt), the same in
+  every process: the parent key, or for a first block its salt (length-prefixed, so no salt and
+  token ids can spell another's), then the token ids as int64."""
+  if parent is not None:
+    head = b'P' + parent.to_bytes(8, 'little')
+  elif salt is not None:
+    encoded = salt.encode('utf-8')
+    head = b'S' + len(encoded).to_bytes(4, 'little') + encoded
+  else:
+    head = b'N'
+  return head + array.array('q', tokens).tobytes()
+
+
 def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
-  """The chain key of one full block (Python's tuple hash: deterministic for ints)."""
-  return hash(block_content(parent, tokens, salt))
+  """The chain key of one full block: a 64-bit BLAKE2b digest of its content_bytes."""
+  digest = hashlib.blake2b(content_bytes(parent, tokens, salt), digest_size=8).digest()
+  return int.from_bytes(digest, 'little')
 
 
 def chain_keys(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=None,
@@ -52,7 +89,9 @@ class CacheBase:
 
   A design implements match(seq, n) (blocks of seq's longest cached prefix among its first n
   full blocks), offer(seq, n) (cache seq's blocks num_offered..n-1, just filled), __len__,
-  is_cached(block), _can_evict(block) and _drop(block) (forget a victim's entry)."""
+  is_cached(block), entry(block) (its key and content), block_of(key) (the cached block of a
+  chain key, or None), _can_evict(block) and _drop(block) (forget a victim's entry), and calls
+  _cached(block, key, content) for each new entry."""
 
   def __init__(self, block_size: int, eviction: str = 'lru'):
     if eviction not in EVICTION_POLICIES:
@@ -67,13 +106,54 @@ class CacheBase:
     self.queried_blocks = self.hit_blocks = 0
     self.queried_tokens = self.hit_tokens = 0
     self.evictions = 0
+    self.lower = None  # the lower tiers (kv_tiers.KVTiers), when attached
+    self.pin_budget = 0  # most blocks pinned at once
+    self._pins: Dict[int, int] = {}  # chain key -> pins holding it
+    self._pinned_idle: set = set()  # cached blocks no sequence holds, kept by a pin
 
   @property
   def num_evictable(self) -> int:
     return len(self._evictable)
 
+  @property
+  def num_pinned_idle(self) -> int:
+    return len(self._pinned_idle)
+
   def is_evictable(self, block: int) -> bool:
     return block in self._evictable
+
+  def is_idle(self, block: int) -> bool:
+    """Cached and held by no sequence: evictable, or kept by a pin."""
+    return block in self._evictable or block in self._pinned_idle
+
+  def pin(self, token_ids, salt=None) -> List[int]:
+    """Pins the full blocks of token_ids (with this cache salt); returns their chain keys."""
+    keys = chain_keys(token_ids, self.block_size, len(token_ids) // self.block_size, salt)
+    new = {k for k in keys if k not in self._pins}
+    if len(self._pins) + len(new) > self.pin_budget:
+      raise PinError(f'pinning {len(keys)} blocks ({len(new)} not pinned yet) would exceed the '
+                     f'pinned budget: {len(self._pins)} of {self.pin_budget} blocks are pinned '
+                     '(config tiers.pinned_blocks); unpin a prefix first')
+    for key in keys:
+      self._pins[key] = self._pins.get(key, 0) + 1
+      block = self.block_of(key)
+      if block is not None and self._evictable.pop(block, None) is not None:
+        self._pinned_idle.add(block)
+    return keys
+
+  def unpin(self, token_ids, salt=None) -> None:
+    """Undoes one pin(token_ids, salt); blocks no other pin keeps become evictable."""
+    keys = chain_keys(token_ids, self.block_size, len(token_ids) // self.block_size, salt)
+    if any(k not in self._pins for k in keys):
+      raise PinError('unpin of a prefix that is not pinned')
+    for key in reversed(keys):  # tail first, as deallocate releases blocks
+      self._pins[key] -= 1
+      if not self._pins[key]:
+        del self._pins[key]
+        block = self.block_of(key)
+        if block in self._pinned_idle:
+          self._pinned_idle.discard(block)
+          self.release(block)
 
   def evictable_blocks(self) -> List[int]:
     return list(self._evictable)
@@ -84,13 +164,37 @@ class CacheBase:
     self.queried_tokens += queried_tokens
     self.hit_tokens += hit_blocks * self.block_size
 
+  def keys(self, seq, n: int) -> List[int]:
+    """Chain keys of seq's first n full blocks (kept on seq: its tokens only ever grow)."""
+    have = len(seq.block_keys)
+    if have < n:
+      parent = seq.block_keys[-1] if have else None
+      seq.block_keys += chain_keys(seq.all_ids, self.block_size, n, seq.params.cache_salt,
+                                   parent, have)
+    return seq.block_keys[:n]
+
+  def content(self, seq, keys: List[int], i: int) -> Tuple:
+    """block_content() of seq's full block i, given the chain keys of its blocks 0..i-1."""
+    tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
+    return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+
+  def _cached(self, block: int, key: int, content: Tuple) -> None:
+    """A new entry: the lower tiers may copy it down now (write-through)."""
+    if self.lower is not None:
+      self.lower.cached(block, key, content)
+
   def touch(self, block: int) -> None:
     """A hit: the block is taken by a sequence (leaving the evictable set if it was there)."""
     self._hits[block] += 1
     self._evictable.pop(block, None)
+    self._pinned_idle.discard(block)
 
   def release(self, block: int) -> None:
-    """The last sequence dropped this cached block: it becomes evictable."""
+    """The last sequence dropped this cached block: it becomes evictable (pinned idle if a pin
+    keeps it)."""
+    if self._pins and self.entry(block)[0] in self._pins:
+      self._pinned_idle.add(block)
+      return
     priority = (next(self._tick),) if self.eviction == 'lru' else (
         self._hits[block], next(self._tick))
     self._evictable[block] = priority
@@ -108,6 +212,8 @@ class CacheBase:
       if self._evictable.get(block) == priority and self._can_evict(block):
         del self._evictable[block]
         del self._hits[block]
+        if self.lower is not None:  # write-back: demoted (copied down) rather than dropped
+          self.lower.evicted(block, *self.entry(block))
         self._drop(block)
         self.evictions += 1
         return block
@@ -122,6 +228,8 @@ class CacheBase:
         'prefix_hit_tokens': self.hit_tokens, 'prefix_queried_tokens': self.queried_tokens,
         'prefix_hit_blocks': self.hit_blocks, 'prefix_queried_blocks': self.queried_blocks,
         'prefix_cache_evictions': self.evictions, 'prefix_cached_blocks': len(self),
+        'prefix_pinned_blocks': len(self._pins),
+        **(self.lower.figures() if self.lower is not None else {}),
     }
 
 
@@ -143,34 +251,26 @@ class PrefixCache(CacheBase):
   def lookup(self, key: int) -> Optional[int]:
     return self._block_of.get(key)
 
-  def _keys(self, seq, n: int) -> List[int]:
-    """Chain keys of seq's first n full blocks (kept on seq: its tokens only ever grow)."""
-    have = len(seq.block_keys)
-    if have < n:
-      parent = seq.block_keys[-1] if have else None
-      seq.block_keys += chain_keys(seq.all_ids, self.block_size, n, seq.params.cache_salt,
-                                   parent, have)
-    return seq.block_keys[:n]
+  block_of = lookup  # the cached block of a chain key, or None
 
-  def _content(self, seq, keys: List[int], i: int) -> Tuple:
-    tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
-    return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+  def entry(self, block: int) -> Tuple[int, Tuple]:
+    return self._key_of[block], self._content_of[block]
 
   def match(self, seq, n: int) -> List[int]:
     blocks = []
-    keys = self._keys(seq, n)
+    keys = self.keys(seq, n)
     for i, key in enumerate(keys):
       block = self._block_of.get(key)
       # A miss, or a hash collision with another prefix, ends the prefix.
-      if block is None or self._content_of[block] != self._content(seq, keys, i):
+      if block is None or self._content_of[block] != self.content(seq, keys, i):
         break
       blocks.append(block)
     return blocks
 
   def offer(self, seq, n: int) -> None:
-    keys = self._keys(seq, n)
+    keys = self.keys(seq, n)
     for i in range(seq.num_offered, n):
-      self.insert(keys[i], seq.block_table[i], self._content(seq, keys, i))
+      self.insert(keys[i], seq.block_table[i], self.content(seq, keys, i))
 
   def insert(self, key: int, block: int, content: Tuple) -> bool:
     """Caches a held, just-filled block keyed on `content` (block_content()); False when the
@@ -182,6 +282,7 @@ class PrefixCache(CacheBase):
     self._key_of[block] = key
     self._content_of[block] = content
     self._hits[block] = 0
+    self._cached(block, key, content)
     return True
 
   def _can_evict(self, block: int) -> bool:

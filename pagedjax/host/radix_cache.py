@@ -14,7 +14,9 @@ so, a sequence extends the tree only along nodes that hold its own blocks: one w
 was computed twice at once (another block already in the tree) leaves its later blocks out.
 
 Holders, reference counts, evictable blocks and the eviction policies are as in
-prefix_cache.py (CacheBase).
+prefix_cache.py (CacheBase). Each node also keeps its block's chain key and content
+(prefix_cache.block_content): the tree itself needs neither, but lower tiers (kv_tiers.py) name a
+demoted block by them, the same names the hash design uses, so both designs share the tiers.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -22,10 +24,12 @@ from pagedjax.host.prefix_cache import CacheBase
 
 
 class _Node:
-  __slots__ = ('block', 'parent', 'tokens', 'children')
+  __slots__ = ('block', 'parent', 'tokens', 'children', 'key', 'content')
 
-  def __init__(self, block: Optional[int], parent: Optional['_Node'], tokens: Tuple[int, ...]):
+  def __init__(self, block: Optional[int], parent: Optional['_Node'], tokens: Tuple[int, ...],
+               key: Optional[int] = None, content: Optional[Tuple] = None):
     self.block, self.parent, self.tokens = block, parent, tokens
+    self.key, self.content = key, content  # chain key and block_content() (lower tiers)
     self.children: Dict[Tuple[int, ...], '_Node'] = {}
 
 
@@ -35,12 +39,20 @@ class RadixCache(CacheBase):
     super().__init__(block_size, eviction)
     self._roots: Dict[object, _Node] = {}  # cache salt -> root (holds no block)
     self._node_of: Dict[int, _Node] = {}  # block -> its node
+    self._block_of_key: Dict[int, int] = {}  # chain key -> block (pins, lower tiers)
 
   def __len__(self) -> int:
     return len(self._node_of)
 
   def is_cached(self, block: int) -> bool:
     return block in self._node_of
+
+  def entry(self, block: int) -> Tuple[int, Tuple]:
+    node = self._node_of[block]
+    return node.key, node.content
+
+  def block_of(self, key: int) -> Optional[int]:
+    return self._block_of_key.get(key)
 
   def _edges(self, seq, n: int):
     ids, bs = seq.all_ids, self.block_size
@@ -59,15 +71,19 @@ class RadixCache(CacheBase):
 
   def offer(self, seq, n: int) -> None:
     node = self._roots.setdefault(seq.params.cache_salt, _Node(None, None, ()))
+    keys = self.keys(seq, n)
     for i, tokens in enumerate(self._edges(seq, n)):
       block = seq.block_table[i]
       child = node.children.get(tokens)
       if child is None:
         if block in self._node_of:
           return  # cannot happen for a consistent table; never index a block twice
-        child = node.children[tokens] = _Node(block, node, tokens)
+        content = self.content(seq, keys, i)
+        child = node.children[tokens] = _Node(block, node, tokens, keys[i], content)
         self._node_of[block] = child
+        self._block_of_key.setdefault(keys[i], block)
         self._hits[block] = 0
+        self._cached(block, keys[i], content)
       elif child.block != block:
         return  # this prefix was cached from another sequence's blocks: stop (see above)
       node = child
@@ -77,6 +93,8 @@ class RadixCache(CacheBase):
 
   def _drop(self, block: int) -> None:
     node = self._node_of.pop(block)
+    if self._block_of_key.get(node.key) == block:
+      del self._block_of_key[node.key]
     parent = node.parent
     del parent.children[node.tokens]
     if parent.block is not None and not parent.children:

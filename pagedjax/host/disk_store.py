@@ -1,0 +1,244 @@
+"""Tier 3: KV blocks in a tensorstore kvstore (a local directory, memory, or a shared store).
+
+Layout, under `<kvstore>/<fingerprint>/` (so engines of different models, KV schemes or block
+sizes pointed at one store never see each other's blocks):
+  blocks/   zarr3 uint8 array [MAX_SLOTS, record_nbytes], one chunk per slot: one block's arrays
+            exactly as the pool stores them (codes, scales, zero points), packed to bytes
+            (kv_tiers.BlockLayout), so a quantized block comes back bit for bit.
+  headers/  zarr3 uint8 array [MAX_SLOTS, HEADER_BYTES], one chunk per slot: magic, format
+            version, the fingerprint, the block's content key, a digest of its content
+            (prefix_cache.content_bytes: parent key, token ids, salt), a checksum of its record,
+            a write serial (recency across restarts) and a checksum of the header itself.
+The arrays are far larger than any capacity: `capacity` only bounds the slots used, so a restart
+with another capacity reopens the same arrays. Chunks are written and read asynchronously
+(tensorstore futures): writes are issued as soon as a block's bytes are on the host and
+committed to the index when they complete; a promotion's read is issued at admission and waited
+for just before the scatter that needs it.
+
+Never wrong: a read is served only if its header parses, names this fingerprint, the key and
+content digest asked for, and the record's checksum matches. Anything else (a chunk missing,
+truncated, corrupted, a header written without its record or the reverse, as a process killed
+mid-write leaves them) is a miss: the entry is dropped and the block recomputed. Entries with a
+write in flight are not matched, and entries with a read in flight are not evicted.
+
+A store that cannot be opened or written (disk full, read-only, unreachable) switches the tier
+off with one warning; the engine goes on with the tiers above. Engines (or processes) sharing a
+store keep separate indexes and may overwrite each other's slots: that costs misses (the header
+no longer names the key), never wrong K/V. Call `flush()` before a process exits: writes still in
+flight are lost (a miss after a restart, as any torn write).
+"""
+import hashlib
+import os
+import struct
+import time
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import tensorstore as ts
+
+from pagedjax.host.tier_index import TierIndex
+
+FORMAT_VERSION = 1
+MAGIC = b'PJKV'
+# magic, format version, fingerprint, key, content digest, record checksum, write serial
+_HEADER = struct.Struct('<4sI16sQ16s16sQ')
+HEADER_BYTES = _HEADER.size + 8  # + the header's own checksum
+MAX_SLOTS = 2**31
+# One context per process: 'memory://' stores are scoped to a context, so engines of one process
+# (a warm-restart test) share them as they would share a directory; file I/O pools are shared.
+_CONTEXT = ts.Context()
+
+
+def kvstore_spec(url: str) -> ts.KvStore.Spec:
+  """A tensorstore kvstore URL ('file:///dir/', 'memory://name/', 'gs://bucket/dir/', ...) or a
+  plain directory path (a local file store)."""
+  if '://' not in url:
+    url = 'file://' + os.path.abspath(os.path.expanduser(url))
+  return ts.KvStore.Spec(url if url.endswith('/') else url + '/')
+
+
+def _digest(data: bytes, size: int = 16) -> bytes:
+  return hashlib.blake2b(data, digest_size=size).digest()
+
+
+class DiskRead:
+  """A promotion's read in flight: its key, slot, and the header and record futures."""
+  __slots__ = ('key', 'digest', 'slot', 'header', 'record')
+
+  def __init__(self, key, digest, slot, header, record):
+    self.key, self.digest, self.slot, self.header, self.record = key, digest, slot, header, record
+
+
+class DiskStore:
+
+  def __init__(self, url: str, capacity: int, record_nbytes: int, fingerprint: bytes,
+               eviction: str = 'lru'):
+    """fingerprint: 16 bytes naming model, KV scheme, block size and layout (tiering.py)."""
+    self.url, self.record_nbytes, self.fingerprint = url, record_nbytes, fingerprint
+    self.index = TierIndex(capacity, eviction)
+    self.enabled, self.off_reason = False, None
+    self._writes: Dict[int, Tuple[int, list]] = {}  # key -> (slot, write futures)
+    self._serial = 0
+    self.read_failures = 0  # reads that did not verify (misses)
+    self.restored = 0  # entries found at open (warm restart)
+    try:
+      self._base = kvstore_spec(url) / f'{fingerprint.hex()}/'
+      self._headers = self._open('headers/', HEADER_BYTES)
+      self._blocks = self._open('blocks/', record_nbytes)
+      self._restore()
+      self.enabled = True
+    except (ValueError, OSError, RuntimeError) as e:
+      self._off(f'cannot open {url!r}: {e}')
+
+  def _open(self, name: str, row_nbytes: int, base=None):
+    spec = {'driver': 'zarr3', 'kvstore': ((base or self._base) / name).to_json(),
+            'metadata': {'shape': [MAX_SLOTS, row_nbytes], 'data_type': 'uint8',
+                         'chunk_grid': {'name': 'regular',
+                                        'configuration': {'chunk_shape': [1, row_nbytes]}}}}
+    return ts.open(spec, create=True, open=True, context=_CONTEXT).result()
+
+  def _off(self, reason: str) -> None:
+    """Switches the tier off (one warning); its entries are forgotten, so every lookup misses."""
+    if self.off_reason is None:
+      warnings.warn(f'disk KV tier switched off, the engine goes on without it: {reason}',
+                    RuntimeWarning, stacklevel=3)
+    self.enabled, self.off_reason = False, reason
+    for key in self.index.keys():
+      self.index.remove(key)
+    self._writes.clear()
+
+  # ---- headers -----------------------------------------------------------------------------
+
+  def _header(self, key: int, digest: bytes, record: np.ndarray, serial: int) -> np.ndarray:
+    body = _HEADER.pack(MAGIC, FORMAT_VERSION, self.fingerprint, key, digest,
+                        _digest(record.tobytes()), serial)
+    return np.frombuffer(body + _digest(body, 8), np.uint8)
+
+  def _parse(self, row: np.ndarray) -> Optional[tuple]:
+    """(key, content digest, record checksum, serial) of a header row that verifies, else None."""
+    raw = row.tobytes()
+    body = raw[:_HEADER.size]
+    if raw[_HEADER.size:] != _digest(body, 8):
+      return None
+    magic, version, fingerprint, key, digest, checksum, serial = _HEADER.unpack(body)
+    if magic != MAGIC or version != FORMAT_VERSION or fingerprint != self.fingerprint:
+      return None
+    return key, digest, checksum, serial
+
+  def _restore(self) -> None:
+    """Rebuilds the index from the headers of slots 0..capacity-1 (a warm restart); a key found
+    twice (a crash between two writes) keeps its newest slot, and the stale slot is reused."""
+    rows = self._headers[:self.index.capacity].read().result()
+    newest = {}
+    for slot, row in enumerate(rows):
+      parsed = self._parse(row) if row.any() else None
+      if parsed and parsed[3] >= newest.get(parsed[0], (-1,))[0]:
+        newest[parsed[0]] = (parsed[3], parsed[1], slot)
+    entries = sorted((serial, key, digest, slot) for key, (serial, digest, slot) in newest.items())
+    self.index.restore([(key, digest, slot) for _, key, digest, slot in entries])
+    self._serial = entries[-1][0] + 1 if entries else 0
+    self.restored = len(entries)
+
+  # ---- writes ------------------------------------------------------------------------------
+
+  def reserve(self, key: int, content_digest: bytes) -> bool:
+    """Takes a slot for key (its victim, if any, is dropped: the lowest tier). False when the
+    tier is off or every slot is busy."""
+    return self.enabled and self.index.reserve(key, content_digest) is not None
+
+  def write(self, key: int, record: np.ndarray) -> None:
+    """Issues the asynchronous writes of a reserved key's record and header."""
+    if not self.enabled or key not in self.index:
+      return
+    slot = self.index.slot(key)
+    header = self._header(key, self.index.content(key), record, self._serial)
+    self._serial += 1
+    try:
+      futures = [self._blocks[slot].write(record), self._headers[slot].write(header)]
+    except (ValueError, OSError, RuntimeError) as e:
+      self._off(f'write to {self.url!r} failed: {e}')
+      return
+    self._writes[key] = (slot, futures)
+
+  def poll(self, wait: bool = False) -> None:
+    """Commits the writes that completed (all of them, waiting, when `wait`); a failed write
+    switches the tier off."""
+    for key, (slot, futures) in list(self._writes.items()):
+      if not wait and not all(f.commit.done() for f in futures):
+        continue
+      del self._writes[key]
+      try:
+        for f in futures:
+          f.result()
+      except (ValueError, OSError, RuntimeError) as e:
+        self._off(f'write to {self.url!r} failed: {e}')
+        return
+      if key in self.index and self.index.slot(key) == slot:
+        self.index.commit(key)
+
+  def flush(self) -> None:
+    """Waits for every write in flight (before a process exits, for a warm restart)."""
+    self.poll(wait=True)
+
+  # ---- reads -------------------------------------------------------------------------------
+
+  def find(self, key: int, content_digest: bytes) -> bool:
+    return self.enabled and self.index.find(key, content_digest) is not None
+
+  def read(self, key: int, content_digest: bytes) -> Optional[DiskRead]:
+    """Issues the asynchronous read of a committed entry (pinned until `finish`)."""
+    if not self.find(key, content_digest):
+      return None
+    slot = self.index.slot(key)
+    try:
+      futures = self._headers[slot].read(), self._blocks[slot].read()
+    except (ValueError, OSError, RuntimeError):
+      self.read_failures += 1
+      self.index.remove(key)
+      return None
+    self.index.pin(key)
+    self.index.touch(key)
+    return DiskRead(key, content_digest, slot, *futures)
+
+  def finish(self, read: DiskRead) -> Optional[np.ndarray]:
+    """The record of a read that verifies, else None (the entry is dropped: a miss)."""
+    self.index.unpin(read.key)
+    try:
+      header, record = read.header.result(), read.record.result()
+    except (ValueError, OSError, RuntimeError):
+      header = record = None
+    parsed = self._parse(header) if header is not None else None
+    if (parsed is None or parsed[:2] != (read.key, read.digest) or
+        _digest(record.tobytes()) != parsed[2]):
+      self.read_failures += 1
+      if self.index.find(read.key, read.digest) == read.slot:
+        self.index.remove(read.key)
+      return None
+    return record
+
+  # ---- calibration -------------------------------------------------------------------------
+
+  def measure_read(self, num_blocks: int) -> Tuple[float, float]:
+    """(bytes/s, latency s) of reading records from this store: writes num_blocks scratch
+    records under `calibration/` (never read as blocks), then times reading 1 and all."""
+    scratch = self._open('blocks/', self.record_nbytes, base=self._base / 'calibration/')
+    rng = np.random.default_rng(0)
+    scratch[:num_blocks].write(
+        rng.integers(0, 256, (num_blocks, self.record_nbytes), np.uint8)).result()
+    times: List[float] = []
+    for n in (1, num_blocks):
+      start = time.perf_counter()
+      futures = [scratch[i].read() for i in range(n)]
+      for f in futures:
+        f.result()
+      times.append(time.perf_counter() - start)
+    latency = times[0]
+    extra = max(times[1] - times[0], 1e-9)
+    return (num_blocks - 1) * self.record_nbytes / extra if num_blocks > 1 else (
+        self.record_nbytes / max(latency, 1e-9)), latency
+
+  def figures(self) -> dict:
+    return {'tier3_enabled': self.enabled, 'tier3_off_reason': self.off_reason,
+            'tier3_read_failures': self.read_failures, 'tier3_restored_blocks': self.restored,
+            'tier3_writes_in_flight': len(self._writes)}

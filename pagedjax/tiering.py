@@ -1,0 +1,141 @@
+"""An engine's KV tiers (host/kv_tiers.py) built from config.tiers: the fingerprint that names its
+disk blocks, and the cost model's figures, measured on this machine at engine start. Like
+executor.py, this file joins host bookkeeping and device code.
+
+Fingerprint (16 bytes, names the disk tier's directory and is checked in every entry's header):
+BLAKE2b over the format version, the model's config, every parameter's path, shape, dtype and a
+strided sample of up to 4096 of its values (so other weights of the same architecture differ
+without hashing every byte), the pool's KV storage spec, the block size and the per-block array
+shapes and dtypes. The attention implementation is left out: every path computes the same K/V
+to float tolerance, as prefix caching already assumes across batch shapes.
+
+Calibration (only for promotion='auto', and only the figures config.tiers leaves at 0):
+  prefill_s_per_token  one prefill call of max_batch_size rows x prefill_chunk tokens, whose
+                       tokens all write into the null block (garbage by design, pool.py), timed
+                       after a warm-up call; seconds / (rows x tokens).
+  host bytes/s, latency  bandwidth: copying 16 MiB host -> device; latency: a one-block scatter
+                       into the null block (a promotion call's fixed cost).
+  disk bytes/s, latency  DiskStore.measure_read: reads of 8 scratch records written under the
+                       store's calibration/ path (latency: one record; bandwidth: the rest).
+Each is the best of 3 timings after a warm-up.
+The warm-up compiles the same programs the run uses (they are cached per shape), so the few
+seconds are mostly paid once; they are not charged to the engine's compilation count.
+"""
+import hashlib
+import math
+import time
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pagedjax.device import block_transfer
+from pagedjax.host.allocator import NULL_BLOCK
+from pagedjax.host.disk_store import FORMAT_VERSION, DiskStore
+from pagedjax.host.kv_tiers import BlockLayout, KVTiers
+from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids
+from pagedjax.host.tier_cost import CostModel
+
+CALIBRATION_BLOCKS = 8
+CALIBRATION_BYTES = 16 << 20
+CALIBRATION_REPEATS = 3
+
+
+def fingerprint(model_cfg, params, pool, block_size: int) -> bytes:
+  """16 bytes naming what a disk block's K/V depend on (see the module docstring)."""
+  h = hashlib.blake2b(digest_size=16)
+  h.update(f'pagedjax-kv-v{FORMAT_VERSION}|{model_cfg!r}|{pool.spec!r}|{block_size}'.encode())
+  for name, (shape, dtype) in sorted(pool.block_array_shapes().items()):
+    h.update(f'|{name}{(shape[0],) + tuple(shape[2:])}{np.dtype(dtype).str}'.encode())
+  if params is not None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      h.update(f'|{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}'.encode())
+      stride = max(1, math.ceil(leaf.size / 4096))
+      h.update(np.asarray(jax.device_get(jnp.ravel(leaf)[::stride])).tobytes())
+  return h.digest()
+
+
+def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
+  """The tiers config.tiers asks for, under the executor's prefix cache, or None (off); sets
+  the cache's pinned budget either way."""
+  t = config.tiers
+  cache = executor.blocks.cache
+  if cache is not None:
+    cache.pin_budget = t.pinned_blocks
+  if not t.enabled:
+    return None
+  shapes = executor.pool.block_array_shapes()
+  if cache is None or not shapes:
+    raise ValueError('KV tiers need prefix caching on and a pool that holds block arrays '
+                     '(not a simulated one)')
+  layout = BlockLayout(shapes)
+  block_size = config.pool.block_size
+  disk = None
+  if t.disk_blocks:
+    disk = DiskStore(t.disk_kvstore, t.disk_blocks, layout.nbytes,
+                     fingerprint(model_cfg, executor.params, executor.pool, block_size),
+                     t.eviction)
+  cost = None
+  if t.promotion == 'auto':
+    cost = calibrated_cost(t, executor, layout, disk)
+  tiers = KVTiers(layout, block_size, host_blocks=t.host_blocks, disk=disk, eviction=t.eviction,
+                  write_through=t.write_through, promotion=t.promotion, cost=cost)
+  return tiers.attach(cache)
+
+
+def calibrated_cost(t, executor, layout: BlockLayout, disk: Optional[DiskStore]) -> CostModel:
+  """The cost model with config.tiers' figures, measuring each one left at 0."""
+  prefill = t.prefill_s_per_token or measure_prefill_s_per_token(executor)
+  host = (t.host_bytes_per_s, t.host_latency_s)
+  if not all(host):
+    measured = measure_host_copy(executor, layout)
+    host = tuple(v or m for v, m in zip(host, measured))
+  disk_figures = (t.disk_bytes_per_s, t.disk_latency_s)
+  if not all(disk_figures):
+    measured = (disk.measure_read(CALIBRATION_BLOCKS) if disk is not None and disk.enabled
+                else (math.inf, math.inf))  # no disk tier: never a tier-3 load
+    disk_figures = tuple(v or m for v, m in zip(disk_figures, measured))
+  return CostModel.for_tiers(executor.block_size, layout.nbytes, prefill, host, disk_figures)
+
+
+def _best_time(fn, repeats: int = CALIBRATION_REPEATS) -> float:
+  fn()  # warm-up: compiles
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def measure_prefill_s_per_token(executor) -> float:
+  """Seconds per token of a full prefill call (max_batch_size rows x prefill_chunk tokens)."""
+  rows, tokens = executor.batch_buckets[-1], executor.token_buckets[-1]
+  table = [NULL_BLOCK] * math.ceil(tokens / executor.block_size)
+  inputs = build_step_inputs([RowSpec([0] * tokens, 0, table) for _ in range(rows)],
+                             executor.block_size, executor.batch_buckets,
+                             executor.token_buckets, executor.table_width_buckets)
+
+  def call():
+    out = executor.step_fn(executor.params, executor.pool, inputs)
+    executor.pool = out[0]
+    np.asarray(out[1])
+
+  return max(_best_time(call) / (rows * tokens), 1e-12)
+
+
+def measure_host_copy(executor, layout: BlockLayout) -> Tuple[float, float]:
+  """(bytes/s, latency s) of moving blocks host -> device: the latency is a one-block scatter
+  into the null block (the fixed cost of a promotion call), the bandwidth that of copying
+  CALIBRATION_BYTES to the device (blocks of a tiny model are too small to time it)."""
+  ids = padded_ids([NULL_BLOCK], executor.transfer_buckets)
+  data = {name: np.zeros((shape[0], len(ids)) + shape[1:], dtype)
+          for name, shape, dtype in layout.fields}
+
+  def scatter():
+    executor.pool = jax.block_until_ready(block_transfer.scatter_blocks(executor.pool, ids, data))
+
+  payload = np.ones(CALIBRATION_BYTES, np.uint8)
+  copy_s = _best_time(lambda: jax.block_until_ready(jax.device_put(payload)))
+  return CALIBRATION_BYTES / max(copy_s, 1e-9), _best_time(scatter)

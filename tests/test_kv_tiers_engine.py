@@ -1,0 +1,222 @@
+"""KV tiers with a real (tiny, random) model: greedy outputs token-identical to an all-device run
+with a pool big enough for everything, for every tier combination and movement policy, both
+prefix-cache designs, float32 and int8 pools, under forced evictions at every tier; disk faults
+between and during runs, warm restart, fingerprints, an unwritable disk. Engines share one
+compiled step per pool dtype (tiny_models.tiny)."""
+import dataclasses
+import functools
+import pathlib
+import uuid
+
+import pytest
+
+from pagedjax.config import TiersConfig
+from pagedjax.engine import Engine
+from pagedjax.host.kv_tiers import KVTiers
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.model.llama import init_params
+
+from fakes import check_blocks
+from tiny_models import engine_config, prompts, tiny
+
+# Eight documents of 4-5 blocks asked about twice, two at a time: 36 distinct prefix blocks, so a
+# 15-block pool evicts every document before it comes back.
+DOCS = prompts([64 + 3 * i for i in range(8)], seed=3)
+QUESTIONS = prompts([5, 9, 7], seed=4)
+PARAMS = SamplingParams(max_new_tokens=5)
+
+
+def make(num_blocks, tiers=None, params=None, **flat):
+  cfg, tiny_params, step = tiny('gqa')
+  config, rest = engine_config(cfg, block_size=16, num_blocks=num_blocks, max_batch_size=4,
+                               prefill_chunk=16, prefix_caching=True, **flat)
+  if tiers is not None:
+    config = dataclasses.replace(config, tiers=tiers)
+  return Engine(cfg, tiny_params if params is None else params, config, step_fn=step, **rest)
+
+
+def serve(engine, rounds=(0, 1)):
+  """Round 0 asks about documents 0..7, two at a time; round 1 in reverse order, so documents
+  come back after every reuse distance: the last ones still on the device, the middle ones in
+  host RAM, the first ones on disk (or gone)."""
+  outputs = []
+  for r in rounds:
+    for d in range(0, len(DOCS), 2)[::-1 if r % 2 else 1]:
+      done = engine.generate([DOCS[d] + QUESTIONS[r], DOCS[d + 1] + QUESTIONS[r + 1]], PARAMS)
+      outputs += [c.output_ids for c in done]
+      check_blocks(engine)
+      if engine.tiers is not None:
+        engine.tiers.check()
+  return outputs
+
+
+@functools.lru_cache(maxsize=None)
+def all_device(kv_dtype='auto', rounds=(0, 1)):
+  """Outputs with a pool that never evicts, and the prompt tokens it computed."""
+  engine = make(128, kv_dtype=kv_dtype)
+  out = serve(engine, rounds)
+  assert engine.summary()['prefix_cache_evictions'] == 0
+  return out, engine.summary()['prompt_tokens_computed']
+
+
+def memory_store():
+  return f'memory://{uuid.uuid4().hex}/'
+
+
+@functools.lru_cache(maxsize=None)
+def no_tiers(kv_dtype='auto'):
+  """Prompt tokens computed by the tiered runs' 15-block pool without tiers."""
+  engine = make(15, kv_dtype=kv_dtype)
+  assert serve(engine) == all_device(kv_dtype)[0]
+  return engine.summary()['prompt_tokens_computed']
+
+
+CASES = {  # name: (TiersConfig fields, design, kv_dtype, tiers that evict)
+    'host': (dict(host_blocks=64), 'hash', 'auto', {1}),
+    'host+disk': (dict(host_blocks=8, disk_blocks=24), 'hash', 'auto', {1, 2, 3}),
+    'disk radix': (dict(disk_blocks=64), 'radix', 'auto', {1}),
+    'write-through radix': (dict(host_blocks=8, disk_blocks=24, write_through=True), 'radix',
+                            'auto', {1, 2, 3}),
+    'host+disk int8': (dict(host_blocks=8, disk_blocks=24), 'hash', 'int8', {1, 2, 3}),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_outputs_identical_to_an_all_device_run(case):
+  fields, design, kv_dtype, evicting = CASES[case]
+  want, computed_all_device = all_device(kv_dtype)
+  tiers = TiersConfig(disk_kvstore=memory_store(), promotion='load', **fields)
+  engine = make(15, tiers, prefix_cache_design=design, kv_dtype=kv_dtype)
+  assert serve(engine) == want
+  s = engine.summary()
+  for tier in (2, 3):  # every lower tier present serves hits
+    assert (s[f'tiers_tier{tier}_hit_blocks'] > 0) == (f'{"host" if tier == 2 else "disk"}'
+                                                       '_blocks' in fields), tier
+  for tier in (1, 2, 3):
+    assert (s[f'tiers_tier{tier}_evictions'] > 0) == (tier in evicting), tier
+  computed = s['prompt_tokens_computed']
+  if evicting == {1}:  # tiers big enough for everything: every prefix the device lost is found
+    assert computed == computed_all_device
+  else:  # what the full tiers dropped is recomputed, but less than with no tiers at all
+    assert computed_all_device < computed < no_tiers(kv_dtype)
+  assert s['tiers_promoted_bytes'] == s['tiers_promoted_blocks'] * s['tier_block_bytes']
+
+
+def test_the_equality_test_catches_wrong_kv(monkeypatch):
+  """Control: blocks promoted with another block's K/V change the greedy outputs."""
+  load = KVTiers.load
+  monkeypatch.setattr(KVTiers, 'load', lambda self, promotions: {
+      name: array[:, ::-1] for name, array in load(self, promotions).items()})
+  engine = make(15, TiersConfig(host_blocks=64, promotion='load'))
+  assert serve(engine) != all_device()[0]
+
+
+def _chunks(store: pathlib.Path, array: str):
+  return sorted(store.glob(f'*/{array}/c/*/0'))
+
+
+def _damage(path: pathlib.Path, how: str) -> None:
+  if how == 'corrupt':
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+  elif how == 'truncate':
+    path.write_bytes(path.read_bytes()[:7])
+  else:
+    path.unlink()
+
+
+@pytest.mark.parametrize('how', ['corrupt', 'truncate', 'delete'])
+def test_damaged_disk_entries_are_misses_never_wrong_kv(tmp_path, how):
+  """A first engine writes every block through to a local disk store; half of the record chunks
+  are damaged before a second engine on the same store runs the same requests. Every damaged
+  entry is a miss (recomputed), the others hit; outputs stay identical."""
+  tiers = TiersConfig(disk_blocks=64, disk_kvstore=str(tmp_path), write_through=True,
+                      promotion='load')
+  want = all_device(rounds=(0,))[0]
+  first = make(15, tiers)
+  assert serve(first, rounds=(0,)) == want
+  first.tiers.flush()
+  chunks = _chunks(tmp_path, 'blocks')
+  assert len(chunks) == first.summary()['tiers_tier3_demoted_blocks'] > 0
+  for path in chunks[::2]:
+    _damage(path, how)
+  second = make(15, tiers)
+  assert second.summary()['tier3_restored_blocks'] == len(chunks)
+  assert serve(second, rounds=(0,)) == want
+  s = second.summary()
+  assert s['tiers_tier3_failed_blocks'] > 0 and s['tiers_tier3_hit_blocks'] > 0
+
+
+def test_damage_during_a_run_and_torn_headers(tmp_path):
+  """Chunks damaged while an engine runs, and headers that name another record (a write torn
+  between its two chunks), are misses too."""
+  tiers = TiersConfig(disk_blocks=64, disk_kvstore=str(tmp_path), write_through=True,
+                      promotion='load')
+  want = all_device(rounds=(0,))[0]
+  first = make(15, tiers)
+  serve(first, rounds=(0,))
+  first.tiers.flush()
+  headers = _chunks(tmp_path, 'headers')
+  for a, b in zip(headers[0::4], headers[1::4]):  # swap headers pairwise: each names the
+    a_bytes, b_bytes = a.read_bytes(), b.read_bytes()  # other slot's record
+    a.write_bytes(b_bytes)
+    b.write_bytes(a_bytes)
+  second = make(15, tiers)
+  outputs = []
+  for d in range(0, len(DOCS), 2):
+    if d == 4:
+      for path in _chunks(tmp_path, 'blocks'):
+        _damage(path, 'corrupt')
+    done = second.generate([DOCS[d] + QUESTIONS[0], DOCS[d + 1] + QUESTIONS[1]], PARAMS)
+    outputs += [c.output_ids for c in done]
+  assert outputs == want
+  s = second.summary()
+  assert s['tiers_tier3_failed_blocks'] > 0 and s['tiers_tier3_hit_blocks'] > 0
+
+
+def test_warm_restart_hits_and_another_model_or_kv_scheme_never_does(tmp_path):
+  tiers = TiersConfig(host_blocks=4, disk_blocks=64, disk_kvstore=str(tmp_path),
+                      promotion='load')
+  want, computed = all_device(rounds=(0,))
+  first = make(15, tiers)
+  assert serve(first, rounds=(0,)) == want
+  first.tiers.flush()
+  written = first.summary()['tiers_tier3_demoted_blocks']
+  assert written > 0
+  restarted = make(15, tiers)  # write-back: only what was demoted to disk is there
+  assert restarted.summary()['tier3_restored_blocks'] == written
+  assert serve(restarted, rounds=(0,)) == want
+  s = restarted.summary()
+  assert s['tiers_tier3_hit_blocks'] > 0 and s['prompt_tokens_computed'] < computed
+  cfg = tiny('gqa')[0]
+  for other in (dict(params=init_params(cfg, seed=2)), dict(kv_dtype='int8')):
+    engine = make(15, tiers, **other)
+    s = engine.summary()
+    assert s['tier3_restored_blocks'] == 0
+    serve(engine, rounds=(0,))
+    assert engine.summary()['tiers_tier3_hit_blocks'] == 0
+  assert len(list(tmp_path.iterdir())) == 3  # one directory per fingerprint
+
+
+def test_unwritable_disk_turns_the_tier_off_once_and_the_engine_goes_on(tmp_path,
+                                                                        monkeypatch):
+  blocker = tmp_path / 'file'
+  blocker.write_text('x')
+  with pytest.warns(RuntimeWarning, match='switched off') as caught:
+    engine = make(15, TiersConfig(host_blocks=4, disk_blocks=16,
+                                  disk_kvstore=str(blocker / 'kv'), promotion='load'))
+    assert serve(engine, rounds=(0,)) == all_device(rounds=(0,))[0]
+  assert len(caught) == 1 and engine.summary()['tier3_enabled'] is False
+  # A store that fails on write, mid-run (a full disk): off after the first failure.
+  engine = make(15, TiersConfig(disk_blocks=16, disk_kvstore=memory_store(), promotion='load'))
+  disk = engine.tiers.disk
+
+  class Full:
+    def __getitem__(self, slot):
+      raise OSError('No space left on device')
+
+  monkeypatch.setattr(disk, '_blocks', Full())
+  with pytest.warns(RuntimeWarning, match='No space left') as caught:
+    assert serve(engine, rounds=(0,)) == all_device(rounds=(0,))[0]
+  assert len(caught) == 1 and not disk.enabled
