@@ -25,7 +25,8 @@ Movement:
                  iteration's copy call, which runs after the gather and before any write.
 Tiers are inclusive: a promoted block keeps its lower copy, so evicting it again copies nothing
 (a cached prefix is read far more often than it changes tier), and write-through makes every
-cached block a lower copy by design. A key is at most once per tier, and all its copies hold the same bytes.
+cached block a lower copy by design. A key is at most once per tier, and all its copies hold
+the same bytes.
 Each lower tier has its own capacity and LRU/LFU order (tier_index.py).
 
 The device side, per iteration (executor.py): ONE gather of every block demoted since the last

@@ -23,6 +23,7 @@ output token) = (finish - first token) / (outputs - 1) per request; normalized l
 (finish - arrival) / outputs, the vLLM paper's serving metric.
 """
 import collections
+import itertools
 from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
@@ -42,14 +43,23 @@ def slot_usage(seqs: Seq[Sequence], block_size: int) -> Dict[str, int]:
 
   A block shared by several sequences (forks, prefix hits) is counted once, as full as its
   fullest holder has it."""
-  filled = {}  # block -> tokens written in it
-  for s in seqs:
-    for i, b in enumerate(s.block_table):
-      filled[b] = max(filled.get(b, 0), min(max(s.num_cached - i * block_size, 0), block_size))
-  used = sum(filled.values())
-  written = sum(block_size for n in filled.values() if n)
+  # Vectorised (it runs every iteration, over every running block: a per-block Python loop
+  # was half of a 10,000-request simulation's time): each table slot's fill, then the fullest
+  # holder's fill per distinct block.
+  tables = [s.block_table for s in seqs if s.block_table]
+  if not tables:
+    return {'token_states': 0, 'internal_fragmentation': 0, 'reservation': 0}
+  blocks = np.fromiter(itertools.chain.from_iterable(tables), np.int64)
+  index = np.concatenate([np.arange(len(t)) for t in tables])
+  cached = np.repeat([s.num_cached for s in seqs if s.block_table], [len(t) for t in tables])
+  fill = np.clip(cached - index * block_size, 0, block_size)
+  distinct, where = np.unique(blocks, return_inverse=True)
+  filled = np.zeros(len(distinct), np.int64)
+  np.maximum.at(filled, where, fill)
+  used = int(filled.sum())
+  written = int(np.count_nonzero(filled)) * block_size
   return {'token_states': used, 'internal_fragmentation': written - used,
-          'reservation': len(filled) * block_size - written}
+          'reservation': len(distinct) * block_size - written}
 
 
 def logical_slots(seqs: Seq[Sequence], block_size: int) -> int:
