@@ -2,6 +2,7 @@
 
   python -m experiments.decode --config=configs/default.py --workdir=runs/default
   python -m experiments.decode --config=configs/default.py:tiny --workdir=runs/tiny
+  python -m experiments.decode --workdir=runs/default --profile_dir=runs/default/profile
 
 Runs the prompts twice on the same engine: the first pass compiles every bucketed step shape,
 the second is timed for tokens_per_second (and must not compile again). Writes
@@ -40,6 +41,9 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
                                    'host:port of process 0, with --distributed.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes, with --distributed.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0-based, with --distributed.')
+_PROFILE_DIR = flags.DEFINE_string(
+    'profile_dir', None, 'Write a jax.profiler trace (TensorBoard/Perfetto) of the timed second '
+    'pass here (warm: its steps compile nothing; its tokens/s then include the tracer\'s cost).')
 
 
 def run_pass(engine, prompts, params):
@@ -120,7 +124,13 @@ def main(argv):
 
   _, first_seconds, _ = run_pass(engine, prompts, sampling)
   compilations_first = engine.num_compilations
-  completions, seconds, generated = run_pass(engine, prompts, sampling)
+  if _PROFILE_DIR.value:
+    jax.profiler.start_trace(_PROFILE_DIR.value)
+  try:
+    completions, seconds, generated = run_pass(engine, prompts, sampling)
+  finally:
+    if _PROFILE_DIR.value:
+      jax.profiler.stop_trace()
 
   print()
   for c in completions:

@@ -3,8 +3,9 @@
 Why this shape (measured on the 2-core CPU, see experiments/bench_attention.py):
 - Gathering the whole block table to a dense [B, MB*bs, ...] cache first (the reference) costs
   3-9x attention over a contiguous cache, mostly in writing that fresh buffer. Here one loop
-  step gathers a single logical block of every sequence, [B, Hkv, bs, D], which stays in cache
-  while it is used, and folds it into a running (max, sum, accumulator) per query row.
+  step gathers a few consecutive logical blocks of every sequence (_TOKENS_PER_STEP tokens,
+  [B, C, Hkv, bs, D]), which stay in cache while they are used, and folds them into a running
+  (max, sum, accumulator) per query row.
 - The loop runs only as many steps as the longest visible context needs (a while loop with a
   traced trip count), so a bucketed block table with many padding entries costs nothing.
 - All query heads of a KV group (and, in chunked prefill, all T query tokens) are rows of one
@@ -31,6 +32,13 @@ from kernels import contract
 _DOT_ROWS = 16
 # Independent loops over slices of the batch (or of the context, for fewer sequences).
 _SEQ_SPLITS = 2
+# Context tokens one loop step reads (rounded down to whole blocks, at least one block). At short
+# contexts a loop step's fixed cost dominates (measured, 2-core CPU, jax 0.10.2, SmolLM2 shapes,
+# batch 8, 192-token contexts: ~100 us per step, 10x the time its 16-token block takes to read),
+# so one step takes several blocks: 4x fewer steps at block_size 16. Measured over SmolLM2's 30
+# layers at 192-token contexts, interleaved with the one-block loop under load ~8: 0.62-0.67x
+# its time at batch 8 and 32, 0.77x at 64; 128 tokens per step was 1.2-1.3x slower than 64.
+_TOKENS_PER_STEP = 64
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,8 +111,9 @@ def _as_bits(blocks):
 
 
 def _gather_block(bits, layer, block, dtype):
-  """One block of every sequence, [B, Hkv, bs, D], as float32 (`bits` from _as_bits,
-  layer-stacked: the gather indexes the layer itself, so no layer is ever sliced out)."""
+  """Blocks `block` (any index shape, e.g. [B] or [B, C]) of every sequence, [..., Hkv, bs, D],
+  as float32 (`bits` from _as_bits, layer-stacked: the gather indexes the layer itself, so no
+  layer is ever sliced out)."""
   x = bits[layer, block]
   if dtype == jnp.bfloat16:  # bfloat16 is the top half of a float32: shift, no convert
     return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
@@ -113,10 +122,19 @@ def _gather_block(bits, layer, block, dtype):
   return x.astype(jnp.float32)
 
 
+def _blocks_per_step(block_size: int, max_blocks: int) -> int:
+  """Logical blocks one loop step folds in: about _TOKENS_PER_STEP tokens, at most the table."""
+  return max(1, min(max_blocks, _TOKENS_PER_STEP // block_size))
+
+
 def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_scales, v_scales,
             layer, scale, part=(0, 1)):
   """Online softmax over the blocks of context slice `part` = (index, count) -> the unnormalised
-  state (m running max, l sum [B, Hkv, R]; acc [B, Hkv, R, D]) as (m, l, acc)."""
+  state (m running max, l sum [B, Hkv, R]; acc [B, Hkv, R, D]) as (m, l, acc).
+
+  One loop step takes C = _blocks_per_step consecutive logical blocks of every sequence
+  ([B, C, Hkv, bs, D], C*bs tokens). Entries past the table's width are clamped to its last
+  column and, like every slot at or past a sequence's length, masked out with `where`."""
   batch, num_q, num_heads, head_dim = q.shape
   _, _, num_kv_heads, block_size, _ = k_blocks.shape
   max_blocks = block_tables.shape[1]
@@ -124,6 +142,8 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
   rows = num_q * group
   use_dot = rows >= _DOT_ROWS
   f32 = jnp.float32
+  per_step = _blocks_per_step(block_size, max_blocks)
+  span = per_step * block_size  # tokens per loop step
 
   qg = contract.group_rows(q.astype(f32) * scale, num_kv_heads)  # [B, Hkv, R, D], pre-scaled
   seen = contract.tokens_seen(q_positions, context_lens)  # [B, T]
@@ -131,27 +151,33 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
     row_seen = seen[:, None, :, None]  # [B, 1, 1, 1]
   else:
     row_seen = contract.rows_seen(seen, group)[:, None, :, None]  # [B, 1, R, 1]
-  num_steps = jnp.max(contract.visible_blocks(seen, block_size, max_blocks))
+  num_blocks = jnp.max(contract.visible_blocks(seen, block_size, max_blocks))
+  num_steps = (num_blocks + per_step - 1) // per_step
   index, count = part
   per_part = (num_steps + count - 1) // count
   first, last = index * per_part, jnp.minimum((index + 1) * per_part, num_steps)
 
   k_bits, v_bits = _as_bits(k_blocks), _as_bits(v_blocks)
 
+  def to_tokens(x):  # [B, C, Hkv, bs, ...] -> [B, Hkv, C*bs, ...], token order kept
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(x.shape[0], x.shape[1], span, *x.shape[4:])
+
   def step(j, carry):
     m, l, acc = carry  # [B, Hkv, R], [B, Hkv, R], [B, Hkv, R, D]
-    block = block_tables[:, j]  # [B]
-    pos = j * block_size + jnp.arange(block_size)
-    visible = pos[None, None, None, :] < row_seen  # [B, 1, R, bs]
-    in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, bs, 1]
+    logical = j * per_step + jnp.arange(per_step)
+    block = jnp.take(block_tables, logical, axis=1, mode='clip')  # [B, C]
+    pos = j * span + jnp.arange(span)
+    visible = pos[None, None, None, :] < row_seen  # [B, 1, R, C*bs]
+    in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, C*bs, 1]
 
-    k = _gather_block(k_bits, layer, block, k_blocks.dtype)  # [B, Hkv, bs, D]
+    k = to_tokens(_gather_block(k_bits, layer, block, k_blocks.dtype))  # [B, Hkv, C*bs, D]
     if use_dot:
       s = jnp.einsum('bhrd,bhsd->bhrs', qg, k)
     else:
-      s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, bs]
+      s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, C*bs]
     if k_scales is not None:  # k = code * scale per token: scale the score columns
-      s = s * k_scales[layer, block].astype(f32)[:, :, None, :]
+      s = s * to_tokens(k_scales[layer, block]).astype(f32)[:, :, None, :]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp() stays NaN-free.
@@ -160,9 +186,11 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
     alpha = jnp.exp(m - m_shift)
     l = l * alpha + jnp.sum(p, axis=-1)  # the denominator takes the unscaled probabilities
     if v_scales is not None:  # v = code * scale: fold it into p; `where` again, a scale may be NaN
-      p = jnp.where(visible, p * v_scales[layer, block].astype(f32)[:, :, None, :], 0.0)
+      p = jnp.where(visible, p * to_tokens(v_scales[layer, block]).astype(f32)[:, :, None, :],
+                    0.0)
 
-    v = jnp.where(in_context, _gather_block(v_bits, layer, block, v_blocks.dtype), 0.0)
+    v = jnp.where(in_context, to_tokens(_gather_block(v_bits, layer, block, v_blocks.dtype)),
+                  0.0)
     if use_dot:
       pv = jnp.einsum('bhrs,bhsd->bhrd', p, v)
     else:

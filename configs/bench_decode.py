@@ -1,0 +1,50 @@
+"""Decode speed: pagedjax's engine against HF transformers on SmolLM2-135M, float32, CPU.
+
+  python -m experiments.bench_decode --workdir=runs/bench_decode
+  python -m experiments.bench_decode --config=configs/bench_decode.py:tiny --workdir=runs/tiny
+
+Per batch in `bench.batches`: the same token ids (real text, `bench.prompt_len` tokens each)
+through the engine and through HF `generate` (greedy, EOS ignored, `bench.output_len` new
+tokens), both warmed up, timed in interleaved rounds in one process, next to the step's matmuls
+alone (the matmul floor). Then a `bench.trace_requests`-request trace (prompt lengths spread
+around prompt_len) through the engine and HF's continuous-batching `generate_batch`.
+
+`:tiny` is a small random Llama on both sides (the HF model built from the same weights) with
+short lengths: what tests/test_bench_decode.py runs. Engine fields are pagedjax/config.py's.
+"""
+from ml_collections import config_dict
+
+from pagedjax.config import Config
+
+
+def get_config(arg=None):
+  config = Config().to_configdict()
+  config.engine.max_batch_size = 64
+  config.engine.max_seq_len = 512
+  config.pool.num_blocks = 1100  # 64 sequences of 256 tokens at block_size 16, and spare
+  config.bench = config_dict.ConfigDict(dict(
+      batches=(1, 8, 32, 64),  # a tuple: --config.bench.batches="(1,8)" overrides it
+      prompt_len=128,
+      output_len=128,
+      rounds=2,  # timed rounds after the warm-up; each round runs every variant once
+      floor_rounds=5,  # matmul-floor calls per batch per round (it is cheap)
+      trace_requests=64,  # the continuous-batching trace; 0 skips it
+      generate_batch=True,  # HF's generate_batch on the trace (if transformers has it)
+      hf=True,  # False: engine and floor only
+      seed=0,
+  ))
+  if arg == 'tiny':
+    config.model.source = 'random'
+    config.engine.max_batch_size = 2
+    config.engine.max_seq_len = 128
+    config.pool.num_blocks = 32
+    config.bench.batches = (2,)
+    config.bench.prompt_len = 12
+    config.bench.output_len = 6
+    config.bench.rounds = 1
+    config.bench.floor_rounds = 2
+    config.bench.trace_requests = 2
+    config.bench.generate_batch = False  # its warm-up alone takes ~25 s on this CPU
+  elif arg:
+    raise ValueError(f'configs/bench_decode.py: unknown variant {arg!r}; allowed: tiny')
+  return config

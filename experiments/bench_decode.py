@@ -1,0 +1,476 @@
+"""Decode speed next to HF transformers, with the matmul floor measured in the same run.
+
+  python -m experiments.bench_decode --workdir=runs/bench_decode
+  python -m experiments.bench_decode --config=configs/bench_decode.py:tiny --workdir=runs/tiny
+  python -m experiments.bench_decode --workdir=runs/bench_decode --profile_dir=runs/prof
+
+One process, one model (SmolLM2-135M float32 by default; configs/bench_decode.py). HF's
+LlamaForCausalLM is built from the very params the engine runs (transposed kernels, HF's own
+rotate-half RoPE layout, which pagedjax shares), so both sides see the same weights and the same
+token ids. Per batch B:
+  - engine: B prompts through Engine.generate, greedy, EOS ignored, output_len new tokens each;
+  - hf: the same prompts through model.generate (greedy, no EOS);
+  - floor: the decode step's matmuls alone at batch B, jitted (q/k/v/o, gate/up/down of every
+    layer + the output head, per-layer weights passed as separate arrays: no slicing, no
+    attention, no norms), timed like the step.
+Everything is warmed up first (the engine compiles every shape it meets there), then `rounds`
+rounds each run engine, hf and floor once for every batch, in that order rotated per round.
+Figures are medians over rounds. The engine's prefill tokens/s, decode step time and host
+seconds per step come from its per-iteration metrics (host/metrics.py: device_s and host_s).
+
+Then a `trace_requests` trace (prompt lengths spread around prompt_len, output_len each): the
+engine against HF's continuous-batching `generate_batch`, same ids, timed once after a warm-up.
+
+Writes WORKDIR/summary.json, results.csv (one row per batch, plus the trace row) and
+bench_decode.png. --profile_dir writes a jax.profiler trace (TensorBoard / Perfetto:
+plugins/profile/*/*.trace.json.gz) of a few warm decode steps at the largest batch.
+"""
+import math
+import os
+import time
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import cli
+from pagedjax import factory, run_info, text_data
+from pagedjax.config import Config, ConfigError
+from pagedjax.host.sampling_params import SamplingParams
+
+_PROFILE_DIR = flags.DEFINE_string(
+    'profile_dir', None, 'Write a jax.profiler trace (TensorBoard/Perfetto) of a few decode '
+    'steps at the largest batch here.')
+
+PROFILE_STEPS = 5
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+def make_prompts(tokenizer, n: int, lengths, vocab_size: int, seed: int):
+  """n prompts of real text (King James passages, distinct per prompt), lengths[i] tokens each.
+  Real text, not random ids: greedy argmaxes over random ids sit on near-ties more often, and
+  two float32 implementations may then legitimately pick different tokens."""
+  rng = np.random.default_rng(seed)
+  prompts = []
+  for i in range(n):
+    want = int(lengths[i])
+    ids = []
+    start = int(rng.integers(0, 20000))
+    while len(ids) < want:
+      ids = tokenizer.encode(text_data.passage(start, 8 * want + 64))
+      start += 7
+    prompts.append([int(t) % vocab_size for t in ids[:want]])
+  return prompts
+
+
+# ------------------------------------------------------------------------------------------------
+# HF side
+# ------------------------------------------------------------------------------------------------
+def hf_model_from_params(model_cfg, params):
+  """transformers' LlamaForCausalLM holding exactly `params` (float32, eval mode)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  if model_cfg.qkv_bias:
+    raise ConfigError('config.model: bench_decode builds a Llama on the HF side; this model has '
+                      'q/k/v biases (Qwen2-style), which it does not map')
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model,
+      intermediate_size=model_cfg.ffn_dim, num_hidden_layers=model_cfg.num_layers,
+      num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
+      head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_seq_len,
+      rope_theta=model_cfg.rope_theta, rms_norm_eps=model_cfg.norm_eps,
+      tie_word_embeddings=model_cfg.tie_embeddings)
+  transformers.logging.set_verbosity_error()  # quiet: its notes on eos_token_id=None etc.
+  model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+  p = jax.tree.map(np.asarray, params['params'])
+  t = lambda x: torch.from_numpy(np.array(x, np.float32, copy=True))
+  state = {'model.embed_tokens.weight': t(p['embed']['embedding']),
+           'model.norm.weight': t(p['final_norm']['scale'])}
+  if not model_cfg.tie_embeddings:
+    state['lm_head.weight'] = t(p['lm_head']['kernel'].T)
+  lay = p['layers']
+  names = {'self_attn.q_proj': lay['attn']['q_proj'], 'self_attn.k_proj': lay['attn']['k_proj'],
+           'self_attn.v_proj': lay['attn']['v_proj'], 'self_attn.o_proj': lay['attn']['o_proj'],
+           'mlp.gate_proj': lay['mlp']['gate_proj'], 'mlp.up_proj': lay['mlp']['up_proj'],
+           'mlp.down_proj': lay['mlp']['down_proj']}
+  for i in range(model_cfg.num_layers):
+    for name, sub in names.items():
+      state[f'model.layers.{i}.{name}.weight'] = t(sub['kernel'][i].T)
+    state[f'model.layers.{i}.input_layernorm.weight'] = t(lay['attn_norm']['scale'][i])
+    state[f'model.layers.{i}.post_attention_layernorm.weight'] = t(lay['mlp_norm']['scale'][i])
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  missing = [m for m in missing if not (m == 'lm_head.weight' and model_cfg.tie_embeddings)]
+  if missing or unexpected:
+    raise RuntimeError(f'HF state dict mismatch: missing {missing}, unexpected {unexpected}')
+  if model_cfg.tie_embeddings:
+    model.tie_weights()
+  model.generation_config.eos_token_id = None  # EOS ignored: always output_len tokens
+  return model
+
+
+def hf_generation_config(output_len: int):
+  import transformers  # pylint: disable=g-import-not-at-top
+  return transformers.GenerationConfig(max_new_tokens=output_len, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+
+
+def hf_generate(model, prompts, output_len: int):
+  """Greedy HF generate over equal-length prompts -> [B, output_len] token ids."""
+  import torch  # pylint: disable=g-import-not-at-top
+  ids = torch.as_tensor(np.asarray(prompts, np.int64))
+  with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                         generation_config=hf_generation_config(output_len))
+  return out[:, ids.shape[1]:].numpy()
+
+
+def has_generate_batch(model) -> bool:
+  return callable(getattr(model, 'generate_batch', None))
+
+
+def hf_generate_batch(model, prompts, output_len: int):
+  """HF continuous batching (transformers >= 4.56) -> list of output id lists, prompt order."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  # Quiet: it warns that eos_token_id=None means "never stop", which is what is asked.
+  logging.getLogger('ContinuousBatchingLogger').setLevel(logging.ERROR)
+  with torch.no_grad():
+    out = model.generate_batch(prompts, generation_config=hf_generation_config(output_len),
+                               progress_bar=False)
+  by_prompt = {}
+  for o in out.values():  # request ids are req_<index>
+    by_prompt[int(str(o.request_id).rsplit('_', 1)[-1])] = list(o.generated_tokens)
+  return [by_prompt[i][:output_len] for i in range(len(prompts))]
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine side and the floor
+# ------------------------------------------------------------------------------------------------
+def engine_run(engine, prompts, output_len: int):
+  """All prompts at once through the engine -> (wall s, outputs [n][output_len], step figures)."""
+  first_step = len(engine.metrics.steps['device_s'])
+  params = SamplingParams(max_new_tokens=output_len, temperature=0.0, stop_on_eos=False)
+  t0 = time.perf_counter()
+  completions = engine.generate(prompts, params)
+  wall = time.perf_counter() - t0
+  steps = {k: list(v)[first_step:] for k, v in engine.metrics.steps.items()}
+  return wall, [list(c.output_ids) for c in completions], step_figures(steps)
+
+
+def step_figures(steps) -> dict:
+  """Prefill tokens/s, decode step seconds and host seconds per decode step, from the engine's
+  per-iteration metrics; iterations that compiled are left out."""
+  pre_s = pre_tok = 0.0
+  dec_s, dec_host = [], []
+  for pf, dc, dev, host, comp in zip(steps['prefill_tokens'], steps['decode_tokens'],
+                                     steps['device_s'], steps['host_s'], steps['compile_s']):
+    if comp:
+      continue
+    if pf:
+      pre_s += dev + host
+      pre_tok += pf
+    elif dc:
+      dec_s.append(dev + host)
+      dec_host.append(host)
+  return {'prefill_tokens_per_s': pre_tok / pre_s if pre_s else None,
+          'decode_step_s': float(np.median(dec_s)) if dec_s else None,
+          'host_s_per_step': float(np.median(dec_host)) if dec_host else None,
+          'decode_steps': len(dec_s)}
+
+
+def matmul_floor_fn(model_cfg, params, batch: int):
+  """The decode step's matmuls alone at `batch` rows, jitted -> zero-arg callable.
+
+  Per-layer weights are separate arrays (sliced out once, here), so the floor pays for no
+  slicing; the layers are a Python loop (unrolled), each dot fed by the previous one so nothing
+  is dead code. Elementwise work is one add per layer; no attention, norms or sampling."""
+  p = params['params']
+  lay = p['layers']
+  names = [('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj'), ('attn', 'o_proj'),
+           ('mlp', 'gate_proj'), ('mlp', 'up_proj'), ('mlp', 'down_proj')]
+  per_layer = [[jnp.array(lay[a][n]['kernel'][i]) for a, n in names]
+               for i in range(model_cfg.num_layers)]
+  head = (p['embed']['embedding'] if model_cfg.tie_embeddings else p['lm_head']['kernel'])
+  tied = model_cfg.tie_embeddings
+
+  @jax.jit
+  def floor(per_layer, head, x):
+    for q_w, k_w, v_w, o_w, g_w, u_w, d_w in per_layer:
+      q, k, v = x @ q_w, x @ k_w, x @ v_w
+      a = q @ o_w  # attention output projection (the attention itself is not a matmul here)
+      h = (a @ g_w) + (a @ u_w)
+      x = x + h @ d_w + (k[:, :1] + v[:, :1])
+    return x @ head.T if tied else x @ head
+
+  x = jnp.ones((batch, model_cfg.d_model), jnp.float32)
+  return lambda: floor(per_layer, head, x)
+
+
+def time_calls(fn, n: int) -> float:
+  """Median seconds of n blocking calls."""
+  ts = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def agreement(a, b) -> float:
+  """Share of positions where two [n][len] token id lists agree."""
+  total = same = 0
+  for x, y in zip(a, b):
+    x, y = list(map(int, x)), list(map(int, y))
+    total += max(len(x), len(y))
+    same += sum(i == j for i, j in zip(x, y))
+  return same / total if total else 1.0
+
+
+def profile_decode(engine, prompts, profile_dir: str, steps: int = PROFILE_STEPS) -> str:
+  """Runs prompts to their first decode steps, then traces `steps` warm decode iterations."""
+  params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_on_eos=False)
+  for prompt in prompts:
+    engine.submit(prompt, params)
+  while engine.has_work() and not all(s.num_pending == 0 for s in engine.running):
+    engine.step()
+  engine.step()
+  os.makedirs(profile_dir, exist_ok=True)
+  jax.profiler.start_trace(profile_dir)
+  for _ in range(steps):
+    with jax.profiler.TraceAnnotation('decode_iteration'):
+      engine.step()
+  jax.profiler.stop_trace()
+  engine.run()
+  return profile_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------------
+def plot(path: str, rows) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = [r for r in rows if r['kind'] == 'batch']
+  b = [r['batch'] for r in rows]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  ax = axes[0]
+  ax.plot(b, [r['engine_tokens_per_s'] for r in rows], marker='o', label='pagedjax engine')
+  if any(r.get('hf_tokens_per_s') for r in rows):
+    ax.plot(b, [r.get('hf_tokens_per_s') for r in rows], marker='s', label='HF generate')
+  ax.set_xscale('log', base=2)
+  ax.set_xlabel('batch')
+  ax.set_title('end-to-end tokens/s')
+  ax.legend()
+  ax.grid(alpha=0.3)
+  ax = axes[1]
+  ax.plot(b, [1e3 * (r['decode_step_s'] or math.nan) for r in rows], marker='o',
+          label='engine decode step')
+  ax.plot(b, [1e3 * r['floor_s'] for r in rows], marker='^', label='matmul floor')
+  ax.set_xscale('log', base=2)
+  ax.set_xlabel('batch')
+  ax.set_title('ms per decode step')
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  with run_info.atomic_write(path, 'wb') as f:
+    fig.savefig(f, format='png', dpi=120)
+  plt.close(fig)
+
+
+def write_csv(path: str, rows) -> None:
+  import csv  # pylint: disable=g-import-not-at-top
+  columns = []
+  for row in rows:
+    columns += [k for k in row if k not in columns]
+  with run_info.atomic_write(path, newline='') as f:
+    writer = csv.DictWriter(f, columns)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def markdown_table(rows) -> str:
+  """The README table."""
+  f = lambda x, spec: '-' if x is None else format(x, spec)
+  lines = ['| batch | engine tok/s | HF generate tok/s | engine / HF | prefill tok/s | '
+           'decode step ms | matmul floor ms | step / floor | host ms/step | agreement |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    if r['kind'] != 'batch':
+      continue
+    step = r['decode_step_s']
+    lines.append(
+        f"| {r['batch']} | {r['engine_tokens_per_s']:.1f} | {f(r.get('hf_tokens_per_s'), '.1f')}"
+        f" | {f(r.get('engine_over_hf'), '.2f')}x | {f(r['prefill_tokens_per_s'], '.0f')} | "
+        f"{f(step and 1e3 * step, '.1f')} | {1e3 * r['floor_s']:.1f} | "
+        f"{f(r['step_over_floor'], '.2f')} | {f(r['host_s_per_step'] and 1e3 * r['host_s_per_step'], '.2f')}"
+        f" | {f(r.get('token_agreement'), '.3f')} |")
+  for r in rows:
+    if r['kind'] == 'trace':
+      lines.append('')
+      lines.append(f"Trace of {r['requests']} requests: engine {r['engine_tokens_per_s']:.1f} "
+                   f"tok/s, HF generate_batch {f(r.get('hf_tokens_per_s'), '.1f')} tok/s "
+                   f"({f(r.get('engine_over_hf'), '.2f')}x), agreement "
+                   f"{f(r.get('token_agreement'), '.3f')}"
+                   + (f" ({r['hf_note']})" if r.get('hf_note') else ''))
+  return '\n'.join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+def main(argv):
+  del argv
+  config = flags.FLAGS.config
+  typed = Config.from_configdict(config)
+  cli.check_model_path(typed)
+  bench = config.get('bench')
+  if bench is None:
+    raise ConfigError('config.bench is missing: use configs/bench_decode.py')
+  batches = sorted(int(b) for b in bench.batches)
+  if not batches or batches[0] < 1 or batches[-1] > typed.engine.max_batch_size:
+    raise ConfigError(f'config.bench.batches={list(bench.batches)} is not allowed: batch sizes '
+                      f'in [1, engine.max_batch_size={typed.engine.max_batch_size}]')
+  if bench.prompt_len + bench.output_len > typed.engine.max_seq_len:
+    raise ConfigError(f'config.bench.prompt_len + output_len = '
+                      f'{bench.prompt_len + bench.output_len} is not allowed: at most '
+                      f'engine.max_seq_len={typed.engine.max_seq_len}')
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
+  engine = factory.make_engine(config, model_cfg, params, tokenizer)
+  use_hf = bool(bench.hf)
+  hf = hf_model_from_params(model_cfg, params) if use_hf else None
+  out_len = int(bench.output_len)
+  prompts = make_prompts(tokenizer, batches[-1], [bench.prompt_len] * batches[-1],
+                         model_cfg.vocab_size, bench.seed)
+  floors = {b: matmul_floor_fn(model_cfg, params, b) for b in batches}
+  rounds = int(bench.rounds)
+
+  jobs = []  # (name, batch, fn)
+  for b in batches:
+    jobs.append(('engine', b, lambda b=b: engine_run(engine, prompts[:b], out_len)))
+    if use_hf:
+      jobs.append(('hf', b, lambda b=b: hf_generate(hf, prompts[:b], out_len)))
+    jobs.append(('floor', b, lambda b=b: time_calls(floors[b], int(bench.floor_rounds))))
+
+  results = {(name, b): [] for name, b, _ in jobs}
+  outputs = {}
+  bar = tqdm(total=len(jobs) * (rounds + 1), desc='bench_decode', leave=False)
+  for r in range(rounds + 1):  # round 0 is the warm-up (the engine compiles there)
+    shift = r % len(jobs)
+    for name, b, fn in jobs[shift:] + jobs[:shift]:
+      bar.set_postfix_str(f'{"warm-up" if r == 0 else f"round {r}"}: {name} B={b}')
+      t0 = time.perf_counter()
+      out = fn()
+      wall = time.perf_counter() - t0
+      if name == 'engine':
+        wall, ids, figs = out
+        outputs[('engine', b)] = ids
+        if r:
+          results[(name, b)].append({'wall_s': wall, **figs})
+      elif name == 'hf':
+        outputs[('hf', b)] = out
+        if r:
+          results[(name, b)].append({'wall_s': wall})
+      elif r:
+        results[(name, b)].append({'floor_s': out})
+      bar.update()
+    if r == 0:
+      compilations_warm = engine.num_compilations
+  compilations_timed = engine.num_compilations - compilations_warm
+  bar.close()
+
+  med = lambda rs, k: (float(np.median([x[k] for x in rs if x[k] is not None]))
+                       if any(x[k] is not None for x in rs) else None)
+  rows = []
+  for b in batches:
+    er = results[('engine', b)]
+    tokens = b * out_len
+    row = {'kind': 'batch', 'batch': b, 'requests': b, 'prompt_len': int(bench.prompt_len),
+           'output_len': out_len,
+           'engine_s': med(er, 'wall_s'), 'engine_tokens_per_s': tokens / med(er, 'wall_s'),
+           'prefill_tokens_per_s': med(er, 'prefill_tokens_per_s'),
+           'decode_step_s': med(er, 'decode_step_s'),
+           'host_s_per_step': med(er, 'host_s_per_step'),
+           'floor_s': med(results[('floor', b)], 'floor_s')}
+    row['step_over_floor'] = (row['decode_step_s'] / row['floor_s']
+                              if row['decode_step_s'] else None)
+    row['host_share_of_step'] = (row['host_s_per_step'] / row['decode_step_s']
+                                 if row['decode_step_s'] else None)
+    if use_hf:
+      hs = med(results[('hf', b)], 'wall_s')
+      row.update(hf_s=hs, hf_tokens_per_s=tokens / hs,
+                 engine_over_hf=row['engine_tokens_per_s'] / (tokens / hs),
+                 token_agreement=agreement(outputs[('engine', b)], outputs[('hf', b)]))
+    rows.append(row)
+
+  trace = None
+  n_trace = int(bench.trace_requests)
+  if n_trace:
+    trace = run_trace(engine, hf, tokenizer, model_cfg, bench, n_trace, out_len)
+    rows.append(trace)
+
+  profile = None
+  if _PROFILE_DIR.value:
+    profile = profile_decode(engine, prompts[:batches[-1]],
+                             os.path.abspath(_PROFILE_DIR.value))
+
+  summary = {
+      'model': config.model.source if config.model.source != 'random' else 'random-tiny',
+      'model_config': model_cfg.__dict__,
+      'batches': batches, 'prompt_len': int(bench.prompt_len), 'output_len': out_len,
+      'rounds': rounds,
+      'rows': rows,
+      'num_compilations': engine.num_compilations,
+      'num_compilations_after_warmup': compilations_timed,  # in the timed rounds: must be 0
+      'profile_dir': profile,
+      'load_average_1m': os.getloadavg()[0],
+      'hf_generate_batch_available': bool(hf is not None and has_generate_batch(hf)),
+      'markdown_table': markdown_table(rows),
+      'config': config.to_dict(),
+      **run_info.environment(),
+  }
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  write_csv(os.path.join(workdir, 'results.csv'), rows)
+  plot(os.path.join(workdir, 'bench_decode.png'), rows)
+  print(summary['markdown_table'])
+  print(f'\nwrote {workdir}/summary.json, results.csv, bench_decode.png '
+        f'(load average {summary["load_average_1m"]:.1f} on {os.cpu_count()} cores)')
+
+
+def run_trace(engine, hf, tokenizer, model_cfg, bench, n: int, out_len: int) -> dict:
+  """n requests of mixed prompt lengths at once: engine vs HF generate_batch (warm, timed once)."""
+  rng = np.random.default_rng(bench.seed + 1)
+  p = int(bench.prompt_len)
+  lengths = rng.integers(max(1, p // 2), p + p // 2 + 1, n)
+  prompts = make_prompts(tokenizer, n, lengths, model_cfg.vocab_size, bench.seed + 2)
+  engine_run(engine, prompts, out_len)  # warm-up: the trace's shapes compile here
+  wall, ids, figs = engine_run(engine, prompts, out_len)
+  tokens = n * out_len
+  row = {'kind': 'trace', 'batch': None, 'requests': n, 'prompt_len': float(lengths.mean()),
+         'output_len': out_len, 'engine_s': wall, 'engine_tokens_per_s': tokens / wall,
+         'prefill_tokens_per_s': figs['prefill_tokens_per_s'],
+         'decode_step_s': figs['decode_step_s'], 'host_s_per_step': figs['host_s_per_step']}
+  if hf is None or not bench.generate_batch:
+    row['hf_note'] = 'generate_batch not run (config.bench.generate_batch or hf off)'
+  elif not has_generate_batch(hf):
+    import transformers  # pylint: disable=g-import-not-at-top
+    row['hf_note'] = f'transformers {transformers.__version__} has no generate_batch'
+  else:
+    hf_generate_batch(hf, prompts[:2], 2)  # warm-up
+    t0 = time.perf_counter()
+    hf_ids = hf_generate_batch(hf, prompts, out_len)
+    hs = time.perf_counter() - t0
+    row.update(hf_s=hs, hf_tokens_per_s=tokens / hs, engine_over_hf=(tokens / wall) / (tokens / hs),
+               token_agreement=agreement(ids, hf_ids), hf_note='HF generate_batch')
+  return row
+
+
+if __name__ == '__main__':
+  cli.define_flags('configs/bench_decode.py', 'Benchmark config.')
+  cli.run(main)
