@@ -7,6 +7,7 @@ would fail without one) lets later processes load what earlier ones compiled. Se
 environment before jax is imported, so subprocesses inherit it.
 """
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -41,3 +42,10 @@ def smollm2(weights_cache_dir):
     pytest.skip(str(e))
   cfg, params = weights.load_model('smollm2', cache_dir=weights_cache_dir)
   return cfg, params, Tokenizer.from_gguf(path)
+
+
+def pytest_sessionfinish(session):
+  """The controller (not an xdist worker) removes the run's compilation cache: it is this run's."""
+  cache = os.environ.get('JAX_COMPILATION_CACHE_DIR', '')
+  if not hasattr(session.config, 'workerinput') and f'pagedjax-test-jit-cache-{_RUN}' in cache:
+    shutil.rmtree(cache, ignore_errors=True)
