@@ -23,7 +23,7 @@ from pagedjax.host.block_manager import KINDS as POOL_KINDS
 from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
 from pagedjax.host.prefix_cache import EVICTION_POLICIES
 from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.scheduler import PREEMPTION_POLICIES
+from pagedjax.host.scheduler import ADMISSION_POLICIES, PREEMPTION_POLICIES, VICTIM_POLICIES
 from pagedjax.host.tier_cost import PROMOTION_RULES
 from pagedjax.model import sharding
 from pagedjax.model.llama import DTYPES, ModelConfig
@@ -179,14 +179,26 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-  preemption: str = 'recompute'  # recompute | swap (to a host-RAM tier)
+  # recompute | swap (to a host-RAM tier) | auto (the cheaper by the cost model, per victim)
+  preemption: str = 'recompute'
+  # which running sequence is preempted: newest | least_progress | priority | cost
+  victim: str = 'newest'
+  # watermark (admit while blocks allow) | projected (also fit what running sequences will
+  # hold admission_horizon tokens from now)
+  admission: str = 'watermark'
+  admission_horizon: int = 0  # tokens ahead for 'projected'; 0 = to each one's max_new_tokens
   watermark: float = 0.01  # share of pool blocks paged admission keeps free
   max_num_batched_tokens: int = 0  # query tokens per iteration; 0 = max_batch_size * chunk
   swap_blocks: int = 0  # host-tier blocks for swap; 0 = as many as the pool
 
   def validate(self, max_batch_size: int):
-    if self.preemption not in PREEMPTION_POLICIES:
-      _fail('scheduler.preemption', self.preemption, f'one of {PREEMPTION_POLICIES}')
+    for name, allowed in (('preemption', PREEMPTION_POLICIES), ('victim', VICTIM_POLICIES),
+                          ('admission', ADMISSION_POLICIES)):
+      if getattr(self, name) not in allowed:
+        _fail(f'scheduler.{name}', getattr(self, name), f'one of {allowed}')
+    if not _is_int(self.admission_horizon) or self.admission_horizon < 0:
+      _fail('scheduler.admission_horizon', self.admission_horizon,
+            'an integer >= 0 (tokens; 0 = each sequence\'s max_new_tokens)')
     w = self.watermark
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
       _fail('scheduler.watermark', w,
@@ -205,7 +217,10 @@ class SchedulerConfig:
 class PrefixCacheConfig:
   enabled: bool = False  # reuse cached full blocks of earlier prompts
   design: str = 'hash'  # hash (chain over full blocks) | radix (tree)
-  eviction: str = 'lru'  # lru | lfu: which evictable cached block goes first
+  eviction: str = 'lru'  # lru | lfu: which evictable cached block (or session) goes first
+  # Demote a session's idle blocks as a unit once it has been idle this long (engine-clock
+  # seconds; host/sessions.py); 0 = only when the pool needs the room.
+  session_idle_s: float = 0.0
 
   def validate(self):
     if not isinstance(self.enabled, bool):
@@ -215,6 +230,9 @@ class PrefixCacheConfig:
             f'one of {PREFIX_DESIGNS} (hash chain over full blocks, or radix tree)')
     if self.eviction not in EVICTION_POLICIES:
       _fail('prefix_cache.eviction', self.eviction, f'one of {EVICTION_POLICIES}')
+    t = self.session_idle_s
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+      _fail('prefix_cache.session_idle_s', t, 'a finite number of seconds >= 0 (0 = off)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +248,8 @@ class TiersConfig:
   eviction: str = 'lru'  # lru | lfu, within tiers 2 and 3
   # Most device blocks prefix_cache.pin() may keep (pinned prefixes are never evicted).
   pinned_blocks: int = 0
-  # Cost-model figures (host/tier_cost.py); 0 = measured at engine start (promotion 'auto').
+  # Cost-model figures (host/tier_cost.py); 0 = measured at engine start when a rule needs
+  # them (tiers.promotion 'auto', scheduler.preemption 'auto', scheduler.victim 'cost').
   prefill_s_per_token: float = 0.0
   host_bytes_per_s: float = 0.0
   host_latency_s: float = 0.0
@@ -327,9 +346,13 @@ class Config:
     if self.prefix_cache.enabled and pool.kv_recent_window:
       _fail('prefix_cache.enabled', True,
             'False with pool.kv_recent_window > 0 (shared blocks cannot carry per-sequence rings)')
-    if self.scheduler.preemption == 'swap' and pool.kv_recent_window:
-      _fail('scheduler.preemption', 'swap', "'recompute' with pool.kv_recent_window > 0 (swap "
-            'does not carry the per-sequence rings; recompute rebuilds them)')
+    if self.scheduler.preemption != 'recompute' and pool.kv_recent_window:
+      _fail('scheduler.preemption', self.scheduler.preemption, "'recompute' with "
+            'pool.kv_recent_window > 0 (swap does not carry the per-sequence rings; recompute '
+            'rebuilds them)')
+    if self.prefix_cache.session_idle_s and not self.prefix_cache.enabled:
+      _fail('prefix_cache.session_idle_s', self.prefix_cache.session_idle_s,
+            '0 unless prefix_cache.enabled=True (sessions are cached blocks)')
     return self
 
   # ---- ConfigDict <-> dataclasses ----------------------------------------------------------

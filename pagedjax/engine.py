@@ -63,13 +63,8 @@ class Engine:
         watermark_blocks=int(sched.watermark * (pool_cfg.num_blocks - 1)))
     pool = backend.init_model_pool(model_cfg, pool_cfg.num_blocks, pool_cfg.block_size,
                                    pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
-    self.tier = tier = (HostTier(pool.block_array_shapes(), sched.swap_blocks or
-                                 pool_cfg.num_blocks - 1) if sched.preemption == 'swap' else None)
-    self.scheduler = Scheduler(
-        self.block_manager, max_batch_size=eng.max_batch_size, prefill_chunk=eng.prefill_chunk,
-        max_num_batched_tokens=(sched.max_num_batched_tokens or
-                                eng.max_batch_size * eng.prefill_chunk),
-        preemption=sched.preemption, host_allocator=tier and tier.allocator)
+    self.tier = tier = (HostTier(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks
+                                 - 1) if sched.preemption != 'recompute' else None)
     self.stats = collections.Counter()
     self.executor = backend.executor(
         params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
@@ -77,6 +72,17 @@ class Engine:
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, tier=tier, timer=timer,
         stats=self.stats)
     self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
+    cost = None  # the cost model preemption weighs (host/tier_cost.py), measured on the device
+    if sched.preemption == 'auto' or sched.victim == 'cost':
+      cost = (self.tiers and self.tiers.cost) or backend.preemption_cost(config.tiers,
+                                                                          self.executor)
+    self.scheduler = Scheduler(
+        self.block_manager, max_batch_size=eng.max_batch_size, prefill_chunk=eng.prefill_chunk,
+        max_num_batched_tokens=(sched.max_num_batched_tokens or
+                                eng.max_batch_size * eng.prefill_chunk),
+        preemption=sched.preemption, victim=sched.victim, admission=sched.admission,
+        admission_horizon=sched.admission_horizon, host_allocator=tier and tier.allocator,
+        cost=cost)
     self.intake = RequestIntake(
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,
         max_batch_size=eng.max_batch_size, can_share=not pool.scheme.recent_window,
@@ -137,6 +143,9 @@ class Engine:
     if not self.scheduler.has_work() and self.intake.pending:
       self.clock = max(self.clock, self.intake.next_arrival())  # idle until the next arrival
     self._release_arrivals()
+    self.block_manager.demote_idle_sessions(self.clock)
+    if self.tiers is not None:  # disk reads for waiting prompts, overlapped with this step
+      self.tiers.prefetch(self.scheduler.waiting)
     if not self.scheduler.has_work():
       return []
     plan = self.scheduler.schedule()
@@ -161,7 +170,7 @@ class Engine:
     completions = []
     for seq, reason in finishing:
       if reason:
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, now)
         self.lanes.release(seq)
         completions.append(self.completions.of_sequence(seq, reason, now))
     completions += [self.completions.of_beams(group, now) for group in self.beams.advance(now)]

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from pagedjax import tiering
 from pagedjax.device import block_transfer, traces
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep
@@ -146,6 +147,7 @@ class PlanExecutor:
   def _run(self, rows, kind: str, timing) -> list:
     """One jitted call over rows of (seq, tokens to feed); returns (seq, token, logits) for the
     rows whose prompt or decode token is now fully cached, i.e. that sample."""
+    built = self._timer()
     specs = []
     for seq, n in rows:
       start, p = seq.num_cached, seq.params
@@ -204,6 +206,7 @@ class Device:
   init_model_pool = staticmethod(pool_lib.init_model_pool)
   executor = PlanExecutor
   step = CompiledStep
+  preemption_cost = staticmethod(tiering.preemption_cost)  # measured on this device
 
 
 DEVICE = Device()

@@ -9,7 +9,8 @@ without hashing every byte), the pool's KV storage spec, the block size and the 
 shapes and dtypes. The attention implementation is left out: every path computes the same K/V
 to float tolerance, as prefix caching already assumes across batch shapes.
 
-Calibration (only for promotion='auto', and only the figures config.tiers leaves at 0):
+Calibration (only for a rule that weighs costs: tiers.promotion='auto',
+scheduler.preemption='auto' or scheduler.victim='cost'; only the figures config.tiers leaves at 0):
   prefill_s_per_token  one prefill call of max_batch_size rows x prefill_chunk tokens, whose
                        tokens all write into the null block (garbage by design, pool.py), timed
                        after a warm-up call; seconds / (rows x tokens).
@@ -82,6 +83,11 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
   tiers = KVTiers(layout, block_size, host_blocks=t.host_blocks, disk=disk, eviction=t.eviction,
                   write_through=t.write_through, promotion=t.promotion, cost=cost)
   return tiers.attach(cache)
+
+
+def preemption_cost(t, executor) -> CostModel:
+  """The cost model preemption weighs when no KV tiers were built (no disk figures)."""
+  return calibrated_cost(t, executor, BlockLayout(executor.pool.block_array_shapes()), None)
 
 
 def calibrated_cost(t, executor, layout: BlockLayout, disk: Optional[DiskStore]) -> CostModel:

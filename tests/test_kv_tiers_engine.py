@@ -100,6 +100,24 @@ def test_outputs_identical_to_an_all_device_run(case):
   else:  # what the full tiers dropped is recomputed, but less than with no tiers at all
     assert computed_all_device < computed < no_tiers(kv_dtype)
   assert s['tiers_promoted_bytes'] == s['tiers_promoted_blocks'] * s['tier_block_bytes']
+  assert s['tiers_prefetch_taken_blocks'] <= s['tiers_prefetched_blocks']
+
+
+def test_disk_reads_of_waiting_prompts_are_issued_ahead_of_admission():
+  """Round 1's eight prompts at once on a 4-row batch (in serve's order): the four waiting ones' documents are
+  read from disk while the first four decode, and admission takes those reads."""
+  engine = make(15, TiersConfig(disk_blocks=64, disk_kvstore=memory_store(), promotion='load'))
+  serve(engine, rounds=(0,))
+  engine.tiers.flush()  # every demotion's write has landed: the lookups below are certain
+  before = dict(engine.summary())
+  order = [d + i for d in range(0, len(DOCS), 2)[::-1] for i in (0, 1)]  # as serve's round 1
+  prompts_1 = [DOCS[d] + QUESTIONS[1 + d % 2] for d in order]
+  done = engine.generate(prompts_1, PARAMS)
+  want = all_device()[0][len(DOCS):]
+  assert [c.output_ids for c in done] == want
+  s = engine.summary()
+  taken = s['tiers_prefetch_taken_blocks'] - before['tiers_prefetch_taken_blocks']
+  assert 0 < taken <= s['tiers_prefetched_blocks']
 
 
 def test_the_equality_test_catches_wrong_kv(monkeypatch):

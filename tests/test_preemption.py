@@ -76,6 +76,39 @@ def test_outputs_identical_under_preemption(kw, policy, params):
     assert engine.tier.allocator.num_used == 0
 
 
+# Cost-model figures that make one choice certain (no calibration: the test states them).
+SWAP_IS_CHEAP = {'prefill_s_per_token': 1.0, 'host_bytes_per_s': 1e12, 'host_latency_s': 1e-9}
+RECOMPUTE_IS_CHEAP = {'prefill_s_per_token': 1e-12, 'host_bytes_per_s': 1.0,
+                      'host_latency_s': 1.0}
+
+
+@pytest.mark.parametrize('kw,swaps,recomputes', [
+    ({'preemption': 'auto', **SWAP_IS_CHEAP}, True, False),
+    ({'preemption': 'auto', **RECOMPUTE_IS_CHEAP}, False, True),
+    ({'victim': 'least_progress'}, False, True),
+    ({'victim': 'priority'}, False, True),
+    ({'victim': 'cost', 'preemption': 'swap', **SWAP_IS_CHEAP}, True, False),
+], ids=['auto_swaps', 'auto_recomputes', 'least_progress', 'priority', 'cost'])
+def test_preemption_policies_keep_greedy_outputs(kw, swaps, recomputes):
+  """preemption='auto' follows the cost model's figures; every victim policy still preempts
+  (this trace needs it) and leaves greedy tokens as they are alone."""
+  engine = make_engine(**kw)
+  done = engine.generate(prompts(), GREEDY)
+  assert [c.output_ids for c in done] == list(alone(GREEDY))
+  assert (engine.stats['preemptions_swap'] > 0) == swaps
+  assert (engine.stats['preemptions_recompute'] > 0) == recomputes
+  assert engine.allocator.num_free == engine.allocator.num_blocks - 1
+
+
+def test_projected_admission_avoids_the_preemptions_of_watermark_admission():
+  """Admission 'projected' (to each request's max_new_tokens) admits only what fits as it
+  grows: no preemption where watermark admission preempts, same tokens."""
+  engine = make_engine(admission='projected')
+  done = engine.generate(prompts(), GREEDY)
+  assert [c.output_ids for c in done] == list(alone(GREEDY))
+  assert engine.stats['preemptions'] == 0
+
+
 def test_host_tier_round_trip_moves_exactly_the_blocks():
   """Device blocks -> host tier -> other device blocks, through the jitted gather and scatter
   (device/block_transfer.py) with ids padded by the null block, as the executor does."""

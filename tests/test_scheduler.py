@@ -42,16 +42,25 @@ def check_invariants(engine):
     assert queue == sorted(queue, key=lambda s: s.order), 'a queue lost FCFS order'
 
 
-@pytest.mark.parametrize('kind,preemption', [('paged', 'recompute'), ('paged', 'swap'),
-                                             ('contiguous', 'swap')])
-@settings(max_examples=20, deadline=None)
+# Stated cost-model figures (no calibration against a fake step): preemption 'auto' and victim
+# 'cost' then swap a victim of up to 1000 blocks rather than recompute 3 of its tokens.
+COST_FIGURES = {'prefill_s_per_token': 1e-3, 'host_bytes_per_s': 1e9, 'host_latency_s': 1e-6}
+
+
+@pytest.mark.parametrize('kind', ['paged', 'contiguous'])
+@settings(max_examples=30, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([2, 4, 8]),
        num_blocks=st.sampled_from([7, 12, 20]), max_batch_size=st.integers(1, 6),
        prefill_chunk=st.sampled_from([1, 4, 16]), extra_budget=st.integers(0, 20),
-       swap_blocks=st.sampled_from([None, 2]))
-def test_random_traces_keep_invariants_and_outputs(kind, preemption, data, block_size,
-                                                   num_blocks, max_batch_size, prefill_chunk,
-                                                   extra_budget, swap_blocks):
+       swap_blocks=st.sampled_from([None, 2]),
+       victim=st.sampled_from(['newest', 'least_progress', 'priority', 'cost']),
+       admission=st.sampled_from(['watermark', 'projected']), horizon=st.sampled_from([0, 4]))
+def test_random_traces_keep_invariants_and_outputs(kind, data, block_size, num_blocks,
+                                                   max_batch_size, prefill_chunk, extra_budget,
+                                                   swap_blocks, victim, admission, horizon):
+  """Every preemption, victim and admission policy, on random traces."""
+  preemption = data.draw(st.sampled_from(['recompute', 'swap', 'auto'] if kind == 'paged'
+                                         else ['swap']))
   usable = (num_blocks - 1) * block_size
   max_seq_len = min(40, usable) if kind == 'contiguous' else 40
   budget = max_batch_size + extra_budget
@@ -59,15 +68,16 @@ def test_random_traces_keep_invariants_and_outputs(kind, preemption, data, block
                        max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
                        max_seq_len=max_seq_len, pool_kind=kind, preemption=preemption,
                        max_num_batched_tokens=budget, swap_blocks=swap_blocks,
-                       shuffle_blocks_seed=block_size)
+                       shuffle_blocks_seed=block_size, victim=victim, admission=admission,
+                       admission_horizon=horizon, **COST_FIGURES)
   requests = data.draw(st.lists(st.tuples(
-      st.integers(1, 24), st.integers(4, 25), st.sampled_from([0.0, 0.0, 2.0, 7.5])),
-      min_size=3, max_size=12))
+      st.integers(1, 24), st.integers(4, 25), st.sampled_from([0.0, 0.0, 2.0, 7.5]),
+      st.integers(-2, 2)), min_size=3, max_size=12))
   rng = np.random.default_rng(len(requests))
   accepted, rejected = {}, 0
-  for prompt_len, max_new, arrival in requests:
+  for prompt_len, max_new, arrival, priority in requests:
     prompt = rng.integers(0, 97, prompt_len).tolist()
-    params = SamplingParams(max_new_tokens=max_new)
+    params = SamplingParams(max_new_tokens=max_new, priority=priority)
     longest = min(prompt_len + max_new, max_seq_len)
     fits = prompt_len < max_seq_len and -(-longest // block_size) <= num_blocks - 1
     try:
@@ -98,6 +108,7 @@ def test_random_traces_keep_invariants_and_outputs(kind, preemption, data, block
   for key in ('preemptions_recompute', 'preemptions_swap', 'swapped_in_blocks'):
     event(f'{key} > 0: {engine.stats[key] > 0}')
   event(f'rejected > 0: {rejected > 0}')
+
 
 
 def test_prefill_and_decode_share_an_iteration():

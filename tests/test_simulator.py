@@ -312,6 +312,28 @@ def test_tokens_follow_trace_lengths_and_avoid_eos():
   assert all(t != 0 for c in done for t in c.output_ids)
 
 
+@pytest.mark.parametrize('prefill_s_per_token,policy', [(1.0, 'swap'), (1e-12, 'recompute')])
+def test_auto_preemption_weighs_the_simulated_costs(prefill_s_per_token, policy):
+  """preemption='auto' on the simulator: the host link's figures are the preset's, and a stated
+  prefill cost decides every preemption one way."""
+  shape = sizing.PRESETS['smollm2-135m']
+  config = tiny_models.engine_config(tiny_models.tiny('gqa')[0], block_size=4, num_blocks=13,
+                                     max_batch_size=4, prefill_chunk=8, max_seq_len=64,
+                                     preemption='auto', victim='cost',
+                                     prefill_s_per_token=prefill_s_per_token)[0]
+  engine = sd.simulated_engine(shape, 'h100-sxm', config)
+  cost = engine.scheduler.cost
+  assert cost.bytes_per_s[2] == hardware.PRESETS['h100-sxm'].host_link_bandwidth
+  assert cost.block_bytes == engine.pool.bytes_per_token * 4
+  requests = trace(n=10, shared=False, vocab=shape.vocab_size)
+  for r in requests:
+    engine.submit(r.prompt_ids, SamplingParams(max_new_tokens=r.max_new_tokens,
+                                               stop_on_eos=False), arrival_time=r.arrival_time)
+  done = engine.run()
+  assert [len(c.output_ids) for c in done] == [r.max_new_tokens for r in requests]
+  assert engine.stats[f'preemptions_{policy}'] == engine.stats['preemptions'] > 0
+
+
 # ---- calibration ----------------------------------------------------------------------------
 
 def test_fit_recovers_known_efficiencies():

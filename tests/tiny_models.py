@@ -47,6 +47,12 @@ CONFIG_FIELDS = {
     'swap_blocks': ('scheduler', 'swap_blocks'), 'prefix_caching': ('prefix_cache', 'enabled'),
     'prefix_cache_design': ('prefix_cache', 'design'),
     'prefix_cache_eviction': ('prefix_cache', 'eviction'),
+    'session_idle_s': ('prefix_cache', 'session_idle_s'),
+    'victim': ('scheduler', 'victim'), 'admission': ('scheduler', 'admission'),
+    'admission_horizon': ('scheduler', 'admission_horizon'),
+    'prefill_s_per_token': ('tiers', 'prefill_s_per_token'),
+    'host_bytes_per_s': ('tiers', 'host_bytes_per_s'),
+    'host_latency_s': ('tiers', 'host_latency_s'),
 }
 
 

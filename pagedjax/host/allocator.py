@@ -93,6 +93,13 @@ class BlockAllocator:
         else:
           self._free.append(b)
 
+  def evict_now(self, blocks: Iterable[int]) -> int:
+    """Evicts these evictable cached blocks from the cache at once (written back to lower
+    tiers, if any) and frees them; returns how many went (the cache may keep some for now)."""
+    evicted = [b for b in blocks if self.cache.evict_block(b)]
+    self._free += evicted
+    return len(evicted)
+
   def _check(self, block: int) -> None:
     if not isinstance(block, numbers.Integral) or not 0 < block < self.num_blocks:
       raise ValueError(f'block id {block!r} out of range: allocatable ids are 1..'

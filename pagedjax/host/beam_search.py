@@ -32,7 +32,7 @@ class BeamSearch:
     for group in list(self.groups):
       if group.ready(Status.RUNNING) and self._expand(group, now):
         for beam in group.live:
-          self.drop(beam)
+          self.drop(beam, now)
         group.live = []
         self.groups.remove(group)
         done.append(group)
@@ -55,7 +55,7 @@ class BeamSearch:
     kept_beams = {b for b, _, _ in kept}
     for b, beam in enumerate(beams):
       if b not in kept_beams:
-        self.drop(beam)
+        self.drop(beam, now)
     group.live, group.logprob = self._continue(group, beams, kept), {}
     for beam, (_, _, lp) in zip(group.live, kept):
       group.logprob[id(beam)] = lp
@@ -84,9 +84,9 @@ class BeamSearch:
       live.append(target)
     return live
 
-  def drop(self, beam: Sequence) -> None:
+  def drop(self, beam: Sequence, now: float) -> None:
     """Frees a beam's blocks and lane; its preemptions count toward its group's."""
     beam.beam.num_preemptions += beam.num_preemptions
-    self.scheduler.finish(beam)
+    self.scheduler.finish(beam, now)
     self.lanes.release(beam)
     beam.status = Status.FINISHED

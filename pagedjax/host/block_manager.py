@@ -46,6 +46,7 @@ class BlockManager:
     self.allocator = allocator
     self.block_size = block_size
     self.kind = kind
+    self.max_seq_len = max_seq_len
     self.reserve_blocks = self.blocks_for(max_seq_len)
     if kind == 'contiguous' and self.reserve_blocks > allocator.num_blocks - 1:
       raise ValueError(
@@ -66,6 +67,12 @@ class BlockManager:
   @property
   def cache(self):
     return self.allocator.cache
+
+  @property
+  def usable_blocks(self) -> int:
+    """Blocks sequences may hold: the pool but the null block and pinned idle blocks."""
+    pinned = self.cache.num_pinned_idle if self.cache is not None else 0
+    return self.allocator.num_blocks - 1 - pinned
 
   @property
   def tiers(self):
@@ -140,6 +147,22 @@ class BlockManager:
       return
     self.cache.offer(seq, n)
     seq.num_offered = n
+
+  def end_turn(self, seq: Sequence, now: float) -> None:
+    """seq, a turn of a session, finished: its cached blocks become the session's (before
+    deallocate releases them, sessions.py)."""
+    if seq.params.session_id is not None and self.cache is not None:
+      self.cache.end_turn(seq.params.session_id, seq.block_table[:seq.num_offered], now)
+
+  def demote_idle_sessions(self, now: float) -> int:
+    """Evicts, as a unit, the idle device blocks of every session idle past its timeout
+    (sessions.py); returns the blocks freed."""
+    freed = 0
+    for session, blocks in (self.cache.idle_session_blocks(now) if self.cache else ()):
+      n = self.allocator.evict_now(blocks)
+      self.cache.sessions.demoted(session, n)
+      freed += n
+    return freed
 
   # ---- appends, copy-on-write, forks -----------------------------------------------------
 

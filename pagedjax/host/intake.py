@@ -65,6 +65,9 @@ class RequestIntake:
       if width > 1 and not self.can_share:
         raise RequestError(f'{name}={width}: a group shares blocks, which a recent-window '
                            'pool cannot')
+    if params.session_id is not None and self.blocks.cache is None:
+      raise RequestError(f'session_id={params.session_id!r} needs prefix_cache.enabled=True '
+                         '(a session is the cached blocks of its turns)')
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
     # Beams run (and come back from preemption) together, each with all of its blocks: after a
     # recompute or swap they share nothing, so the group must fit k times over.

@@ -34,6 +34,13 @@ one (with the blocks swapped out), before anything the iteration writes into evi
 scatter of every promoted block (with the blocks swapped in), before the steps; and, with
 write-through, one more gather after the steps, of the blocks they filled.
 
+Prefetch: each iteration, before the scheduler runs, the prefixes of the first waiting
+requests (PREFETCH_SEQUENCES of them) are looked up below the device and the tier-3 reads of
+what is found there are issued at once (at most PREFETCH_BLOCKS in flight), so they run while
+the iterations before the request's admission compute; at admission `find` takes the read in
+flight instead of issuing one. A prefetched read nobody took within PREFETCH_ITERATIONS is
+dropped (its pin released).
+
 A tier-3 read that does not verify (disk_store.py) is a miss found late: the sequence's cached
 count is cut back to that block, so the step recomputes it and everything after it; the device
 blocks are the sequence's own, so nothing else changes.
@@ -51,12 +58,16 @@ from pagedjax.host.tier_cost import CostModel
 from pagedjax.host.tier_index import TierIndex
 
 WINDOW = 32  # iterations in the sliding-window hit rates
+PREFETCH_SEQUENCES = 8  # waiting requests whose tier-3 blocks are read ahead of admission
+PREFETCH_BLOCKS = 256  # tier-3 reads in flight ahead of admission, at most (and half of tier 3)
+PREFETCH_ITERATIONS = 64  # a read ahead not taken by then is dropped
 # The run's counts (figures() and each timeline row report all of them, zeros included).
 COUNTS = ('queried_blocks', 'tier1_hit_blocks', 'tier2_hit_blocks', 'tier3_hit_blocks',
           'evicted_now_hit_blocks', 'declined_blocks', 'tier3_failed_blocks', 'promoted_blocks',
           'promoted_bytes', 'promote_seconds', 'tier2_demoted_blocks', 'tier3_demoted_blocks',
           'demoted_bytes', 'demote_seconds', 'tier1_evictions', 'tier2_evictions',
-          'tier3_evictions', 'tier2_full_skips', 'tier3_full_skips')
+          'tier3_evictions', 'tier2_full_skips', 'tier3_full_skips', 'prefetched_blocks',
+          'prefetch_taken_blocks', 'prefetch_dropped_blocks')
 
 
 def content_digest(content) -> bytes:
@@ -150,6 +161,7 @@ class KVTiers:
     self._evicted_now: Dict[int, tuple] = {}
     self._copies: List[tuple] = []  # (device block, device block) for tier-1 hits
     self._promotions: List[Promotion] = []
+    self._prefetched: Dict[int, tuple] = {}  # key -> (DiskRead in flight, iteration issued)
     self.counters = collections.Counter()
     self.rows: List[dict] = []  # per executed iteration (end_iteration)
     self._last_totals = collections.Counter()
@@ -259,11 +271,48 @@ class KVTiers:
         self.host.index.touch(key)
         hits.append(Hit(2, key, data=self.host.read(slot)))
       else:
-        read = self.disk.read(key, content_digest(content))
+        digest = content_digest(content)
+        ahead = self._prefetched.pop(key, None)
+        if ahead and ahead[0].digest != digest:  # read for a colliding key's other content
+          self.disk.finish(ahead[0])
+          ahead = None
+        read = ahead[0] if ahead else self.disk.read(key, digest)
         if read is None:  # the read could not even be issued: a miss ends the prefix
           break
+        self.counters['prefetch_taken_blocks'] += ahead is not None
         hits.append(Hit(3, key, read=read))
     return hits
+
+  def prefetch(self, waiting) -> None:
+    """Issues the tier-3 reads of the first waiting sequences' prefixes (module docstring)."""
+    if not (self.disk and self.disk.enabled) or self.promotion == 'recompute':
+      return
+    self.disk.poll()  # writes landed since the last iteration can be read
+    # At most half of tier 3 pinned by reads ahead: the rest stays free to take demotions.
+    limit = min(PREFETCH_BLOCKS, self.disk.index.capacity // 2)
+    for seq in waiting[:PREFETCH_SEQUENCES]:
+      n = (seq.num_tokens - 1) // self.block_size  # never the last token, as admission
+      keys = self.cache.keys(seq, n)
+      for i in range(n):
+        if len(self._prefetched) >= limit:
+          return
+        if keys[i] in self._prefetched or self.cache.block_of(keys[i]) is not None:
+          continue  # a read is on its way, or the block is on the device
+        content = self.cache.content(seq, keys, i)
+        if self.host and self.host.index.find(keys[i], content) is not None:
+          continue
+        read = self.disk.read(keys[i], content_digest(content))
+        if read is None:
+          break  # a miss ends the prefix
+        self._prefetched[keys[i]] = (read, len(self.rows))
+        self.counters['prefetched_blocks'] += 1
+
+  def _drop_stale_prefetches(self) -> None:
+    for key, (read, issued) in list(self._prefetched.items()):
+      if len(self.rows) - issued >= PREFETCH_ITERATIONS:
+        del self._prefetched[key]
+        self.disk.finish(read)  # releases its pin; the bytes are not needed
+        self.counters['prefetch_dropped_blocks'] += 1
 
   def _locate(self, key: int, content) -> Optional[int]:
     if self._evicted_now.get(key, (None, None))[1] == content:
@@ -350,6 +399,7 @@ class KVTiers:
     """Appends this iteration's row: the counts since the last row, and occupancy."""
     if self.disk:
       self.disk.poll()  # commit the disk writes that completed meanwhile
+      self._drop_stale_prefetches()
     totals = self._totals()
     row = {key: totals[key] - self._last_totals[key] for key in totals}
     row.update(self._occupancy())

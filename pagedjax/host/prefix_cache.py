@@ -20,7 +20,9 @@ prompt with the same prefix takes it back (ref count 0 -> 1), and the allocator 
 (dropping its entry) only when its free list is empty. Evictable blocks count as free space.
 
 Eviction: 'lru' evicts the block released longest ago; 'lfu' the one with the fewest hits,
-least recently used first among equals. A lazy heap keeps both O(log n) per operation.
+least recently used first among equals. A lazy heap keeps both O(log n) per operation. Blocks
+of a session (sessions.py) go by their session instead: the whole session at its last turn's
+end (lru), or with its turn count in place of hits (lfu).
 
 Pinning: `pin(token_ids, salt)` keeps the full blocks of a prefix (a system prompt, a RAG
 document, an agent scaffold) on the device: a pinned block no sequence holds is *pinned idle*,
@@ -39,6 +41,8 @@ import hashlib
 import heapq
 import itertools
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
+
+from pagedjax.host.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
 EVICTION_POLICIES = ('lru', 'lfu')
@@ -110,6 +114,7 @@ class CacheBase:
     self.pin_budget = 0  # most blocks pinned at once
     self._pins: Dict[int, int] = {}  # chain key -> pins holding it
     self._pinned_idle: set = set()  # cached blocks no sequence holds, kept by a pin
+    self.sessions = None  # sessions.Sessions, when the engine keeps them
 
   @property
   def num_evictable(self) -> int:
@@ -195,10 +200,26 @@ class CacheBase:
     if self._pins and self.entry(block)[0] in self._pins:
       self._pinned_idle.add(block)
       return
-    priority = (next(self._tick),) if self.eviction == 'lru' else (
-        self._hits[block], next(self._tick))
+    tick = next(self._tick)
+    session = self.sessions.order(block) if self.sessions is not None else None
+    count, major = session if session is not None else (self._hits[block], tick)
+    priority = (major, tick) if self.eviction == 'lru' else (count, major, tick)
     self._evictable[block] = priority
     heapq.heappush(self._heap, (priority, block))
+
+  def end_turn(self, session: str, blocks: List[int], now: float) -> None:
+    """A turn of `session` finished holding `blocks`: its cached ones become the session's
+    (called before they are released, so they are queued by the session's order)."""
+    self.sessions.end_turn(session, [b for b in blocks if self.is_cached(b)], next(self._tick),
+                           now)
+
+  def idle_session_blocks(self, now: float) -> List[Tuple[str, List[int]]]:
+    """(session, its evictable blocks in eviction order) for each session idle too long."""
+    if self.sessions is None:
+      return []
+    return [(session, sorted((b for b in self.sessions.blocks(session) if b in self._evictable),
+                             key=self._evictable.get))
+            for session in self.sessions.idle(now)]
 
   def _requeue(self, block: int) -> None:
     """An evictable block the policy passed over (_can_evict) may go now: queue it again."""
@@ -209,15 +230,24 @@ class CacheBase:
     """Drops the policy's victim from the cache and returns its block (now free to reuse)."""
     while self._heap:
       priority, block = heapq.heappop(self._heap)
-      if self._evictable.get(block) == priority and self._can_evict(block):
-        del self._evictable[block]
-        del self._hits[block]
-        if self.lower is not None:  # write-back: demoted (copied down) rather than dropped
-          self.lower.evicted(block, *self.entry(block))
-        self._drop(block)
-        self.evictions += 1
+      if self._evictable.get(block) == priority and self.evict_block(block):
         return block
     raise RuntimeError('no evictable block')
+
+  def evict_block(self, block: int) -> bool:
+    """Drops an evictable block's entry now (demoting it when lower tiers exist); False when
+    the design must keep it for now (radix: it still has children)."""
+    if not self._can_evict(block):
+      return False
+    del self._evictable[block]
+    del self._hits[block]
+    if self.lower is not None:  # write-back: demoted (copied down) rather than dropped
+      self.lower.evicted(block, *self.entry(block))
+    if self.sessions is not None:
+      self.sessions.forget(block)
+    self._drop(block)
+    self.evictions += 1
+    return True
 
   def figures(self) -> dict:
     return {
@@ -229,6 +259,7 @@ class CacheBase:
         'prefix_hit_blocks': self.hit_blocks, 'prefix_queried_blocks': self.queried_blocks,
         'prefix_cache_evictions': self.evictions, 'prefix_cached_blocks': len(self),
         'prefix_pinned_blocks': len(self._pins),
+        **(self.sessions.figures() if self.sessions is not None else {}),
         **(self.lower.figures() if self.lower is not None else {}),
     }
 
@@ -294,10 +325,12 @@ class PrefixCache(CacheBase):
 
 
 def make_prefix_cache(config, block_size: int) -> Optional[CacheBase]:
-  """The cache a PrefixCacheConfig asks for (design 'hash' here, 'radix' radix_cache.py), or None
-  when prefix caching is off."""
+  """The cache a PrefixCacheConfig asks for (design 'hash' here, 'radix' radix_cache.py), with
+  its sessions (sessions.py), or None when prefix caching is off."""
   if not config.enabled:
     return None
   from pagedjax.host.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
   design = {'hash': PrefixCache, 'radix': RadixCache}[config.design]
-  return design(block_size, config.eviction)
+  cache = design(block_size, config.eviction)
+  cache.sessions = Sessions(config.session_idle_s)
+  return cache

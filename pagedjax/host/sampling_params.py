@@ -16,6 +16,11 @@ class SamplingParams:
   beam_width: k > 0 runs beam search with k beams (beam.py) instead of sampling; 0 is off.
   length_penalty: alpha of GNMT's ((5 + len) / 6) ** alpha dividing a finished beam's summed
   log-prob (beam search only; 0 ranks by summed log-prob).
+  priority: lower values are more important (vLLM's convention); preemption with
+  scheduler.victim='priority' takes the largest value first.
+  session_id: the conversation this request is a turn of (prefix caching on): when it finishes,
+  its blocks stay cached as the session's and are evicted or demoted as one unit with the rest
+  of that session (host/sessions.py); the next turn matches them as any prefix.
   """
   max_new_tokens: int = 32
   temperature: float = 0.0
@@ -27,6 +32,8 @@ class SamplingParams:
   cache_salt: Optional[str] = None
   beam_width: int = 0
   length_penalty: float = 0.0
+  priority: int = 0
+  session_id: Optional[str] = None
 
   def validate(self):
     """Raises ValueError naming the first field whose type or range is not allowed. Ranges are
@@ -51,6 +58,11 @@ class SamplingParams:
                        f'temperature={self.temperature}: beam search is deterministic and '
                        'returns its beams itself')
     _number('length_penalty', self.length_penalty, 'a finite number >= 0')
+    _integer('priority', self.priority, INT32_MIN, INT32_MAX, 'an integer (lower is served first)')
+    if self.session_id is not None and (not isinstance(self.session_id, str) or
+                                        not self.session_id):
+      raise ValueError(f'session_id={self.session_id!r} is not allowed: None or a non-empty '
+                       'string')
 
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1

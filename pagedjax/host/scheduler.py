@@ -9,15 +9,19 @@ Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order)
   0. A leader of parallel samples whose prompt is cached but for its last token forks its
      samples (block_manager.fork); each then decodes that token with its own seed.
   1. Every running sequence that is decoding gets a slot for its next token. When the pool is out
-     of blocks, the newest running sequence is preempted (by `recompute` or `swap`) until it fits;
-     the oldest always progress, so the run cannot livelock.
+     of blocks, a victim is preempted until it fits (see Preemption below); the oldest running
+     sequence is never a victim while another runs, so the run cannot livelock.
   2. If nothing was preempted, swapped sequences come back in FCFS order while blocks allow.
   3. If nothing was preempted and none is swapped (they arrived first), waiting requests are
      admitted in FCFS order while batch rows, the token budget and blocks allow, keeping a
      watermark of free blocks for running sequences to grow into. A head that does not fit blocks
-     the queue: no request skips ahead of an older one.
+     the queue: no request skips ahead of an older one. Admission 'projected' also asks that the
+     blocks every running sequence and the head will hold `admission_horizon` tokens from now
+     (each capped at its max_new_tokens) fit the pool: fewer admissions, fewer preemptions.
   4. Token budget: every decode costs one token and always fits (the budget is at least the batch
-     size); what is left goes to prompt chunks (at most prefill_chunk tokens each) in FCFS order.
+     size); what is left goes to prompt chunks (at most prefill_chunk tokens each) in FCFS order,
+     at most `prefill_cap` prompt tokens per iteration when that is set (a throttle a caller
+     may set between iterations; None = no cap).
      A prompt's blocks are allocated whole at admission, so a sequence mid-prompt never needs
      more blocks and never preempts anyone.
 Admission takes a prompt's cached prefix from the prefix cache when there is one
@@ -25,6 +29,20 @@ Admission takes a prompt's cached prefix from the prefix cache when there is one
 (copy-on-write), listed in `Plan.copies`. Batch rows count a leader's pending forks.
 The plan is pure host bookkeeping; the engine runs it (copies for swaps and copy-on-write, then
 the jitted steps).
+
+Preemption. The victim (`victim`):
+  newest          the newest running sequence (vLLM's choice; FCFS order, Sequence.order)
+  least_progress  the one with the fewest tokens in the cache (the least work lost), newest first
+                  among equals
+  priority        the one with the largest SamplingParams.priority value (lower is served
+                  first), newest first among equals
+  cost            the one whose preemption costs least by the cost model (host/tier_cost.py):
+                  min(recompute_s, swap_s) when swapping is possible, else recompute_s
+How its K/V are kept (`preemption`):
+  recompute  dropped; its prompt and generated tokens are prefilled again on readmission
+  swap       copied to the host tier when it has room (else recompute)
+  auto       the cheaper by the cost model: swap when swap_s(blocks) < recompute_s(tokens)
+             and the host tier has room, where swap_s is a copy out plus a copy back in
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -32,8 +50,11 @@ from typing import List, Optional, Tuple
 from pagedjax.host.allocator import BlockAllocator
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.sequence import Sequence, Status
+from pagedjax.host.tier_cost import CostModel
 
-PREEMPTION_POLICIES = ('recompute', 'swap')
+PREEMPTION_POLICIES = ('recompute', 'swap', 'auto')
+VICTIM_POLICIES = ('newest', 'least_progress', 'priority', 'cost')
+ADMISSION_POLICIES = ('watermark', 'projected')
 
 
 @dataclasses.dataclass
@@ -66,13 +87,22 @@ def _insert(queue: List[Sequence], seq: Sequence) -> None:
 class Scheduler:
 
   def __init__(self, blocks: BlockManager, *, max_batch_size: int, max_num_batched_tokens: int,
-               prefill_chunk: int, preemption: str = 'recompute',
-               host_allocator: Optional[BlockAllocator] = None):
-    """host_allocator: bookkeeping of the host tier's blocks (swap preemption only)."""
-    if preemption not in PREEMPTION_POLICIES:
-      raise ValueError(f'preemption {preemption!r} is not allowed: one of {PREEMPTION_POLICIES}')
-    if preemption == 'swap' and host_allocator is None:
-      raise ValueError('swap preemption needs a host tier (host_allocator)')
+               prefill_chunk: int, preemption: str = 'recompute', victim: str = 'newest',
+               admission: str = 'watermark', admission_horizon: int = 0,
+               host_allocator: Optional[BlockAllocator] = None,
+               cost: Optional[CostModel] = None):
+    """host_allocator: bookkeeping of the host tier's blocks (swap and auto preemption).
+    cost: the cost model (preemption 'auto', victim 'cost'). admission_horizon: tokens ahead
+    that 'projected' admission looks (0 = each sequence's whole max_new_tokens)."""
+    for name, value, allowed in (('preemption', preemption, PREEMPTION_POLICIES),
+                                 ('victim', victim, VICTIM_POLICIES),
+                                 ('admission', admission, ADMISSION_POLICIES)):
+      if value not in allowed:
+        raise ValueError(f'{name} {value!r} is not allowed: one of {allowed}')
+    if preemption != 'recompute' and host_allocator is None:
+      raise ValueError(f'{preemption} preemption needs a host tier (host_allocator)')
+    if cost is None and (preemption == 'auto' or victim == 'cost'):
+      raise ValueError('preemption auto and victim cost need a cost model (cost)')
     if max_num_batched_tokens < max_batch_size:
       raise ValueError(f'max_num_batched_tokens={max_num_batched_tokens} is not allowed: at '
                        f'least max_batch_size={max_batch_size}, so every decode fits a step')
@@ -80,7 +110,9 @@ class Scheduler:
     self.max_batch_size = max_batch_size
     self.max_num_batched_tokens = max_num_batched_tokens
     self.prefill_chunk = prefill_chunk
-    self.preemption = preemption
+    self.preemption, self.victim, self.cost = preemption, victim, cost
+    self.admission, self.admission_horizon = admission, admission_horizon
+    self.prefill_cap: Optional[int] = None  # prompt tokens per iteration at most (a throttle)
     self.host = host_allocator
     self.waiting: List[Sequence] = []
     self.running: List[Sequence] = []
@@ -93,8 +125,9 @@ class Scheduler:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running or self.swapped)
 
-  def finish(self, seq: Sequence) -> None:
+  def finish(self, seq: Sequence, now: float) -> None:
     self.running.remove(seq)
+    self.blocks.end_turn(seq, now)
     self.blocks.deallocate(seq)
 
   def fork_running(self, parent: Sequence, child: Sequence) -> None:
@@ -120,12 +153,15 @@ class Scheduler:
       if seq.num_pending == 1 and not seq.forks:
         plan.rows.append((seq, 1))
         budget -= 1
+    if self.prefill_cap is not None:
+      budget = min(budget, self.prefill_cap)
     for seq in self.running:  # then prompts already under way
       # (a leader's last chunk may be one token: it is not a decode, its forks sample instead)
       if seq.num_to_prefill > (0 if seq.forks else 1) and budget > 0:
         budget -= self._add_chunk(plan, seq, budget)
     if not plan.preempted and not self.swapped:
-      self._admit(plan, budget)
+      # A throttle never starves an idle engine: with nothing running, one chunk goes in.
+      self._admit(plan, budget if self.running else max(budget, 1))
     return plan
 
   def _fork_ready(self, plan: Plan) -> None:
@@ -143,7 +179,7 @@ class Scheduler:
       if seq.status is not Status.RUNNING or seq.num_pending != 1:
         continue  # preempted a moment ago, or mid-prompt (its blocks came at admission)
       while not self.blocks.can_append(seq):
-        self._preempt(self.running[-1], plan)
+        self._preempt(self._victim(), plan)
         if seq.status is not Status.RUNNING:
           break
       else:
@@ -189,7 +225,7 @@ class Scheduler:
       unit = self._head_unit(self.waiting)
       if self._rows_used() + sum(s.width for s in unit) > self.max_batch_size:
         break
-      if not self._fits(unit, waiting=True):
+      if not self._fits(unit, waiting=True) or not self._projected_fits(unit):
         plan.memory_blocked = True
         break
       for seq in unit:
@@ -207,16 +243,62 @@ class Scheduler:
       plan.rows.append((seq, n))
     return n
 
+  def _projected_blocks(self, seq: Sequence) -> int:
+    """Blocks seq will hold admission_horizon tokens from now (0: when it finishes)."""
+    left = seq.params.max_new_tokens - len(seq.output_ids)
+    ahead = min(left, self.admission_horizon) if self.admission_horizon else left
+    return self.blocks.blocks_for(min(seq.num_tokens + ahead, self.blocks.max_seq_len))
+
+  def _projected_fits(self, unit: List[Sequence]) -> bool:
+    """Admission 'projected': the running sequences and unit, grown by the horizon, fit the
+    blocks sequences may use (shared blocks counted once per holder: an upper bound)."""
+    if self.admission != 'projected' or not self.running:
+      return True
+    need = sum(self._projected_blocks(s) * s.width for s in self.running + unit)
+    return need <= self.blocks.usable_blocks
+
   # ---- preemption ------------------------------------------------------------------------
 
+  def _unit(self, seq: Sequence) -> List[Sequence]:
+    """seq and, for a beam, its running siblings (beams come back together, see _head_unit)."""
+    return [seq] if seq.beam is None else [s for s in self.running if s.beam is seq.beam]
+
+  def _swap_blocks(self, unit: List[Sequence]) -> int:
+    return sum(self.blocks.blocks_for(s.num_cached) for s in unit)
+
+  def _cost_s(self, unit: List[Sequence]) -> float:
+    """Seconds the cheapest allowed way of preempting unit costs (the cost model's)."""
+    recompute = self.cost.recompute_tokens_s(sum(s.num_cached for s in unit))
+    n = self._swap_blocks(unit)
+    if self.preemption == 'recompute' or not self.host.can_allocate(n):
+      return recompute
+    swap = self.cost.swap_s(n)
+    return swap if self.preemption == 'swap' else min(swap, recompute)
+
+  def _victim(self) -> Sequence:
+    """The running sequence the victim policy preempts next; never the oldest while others
+    run (the oldest always progresses)."""
+    candidates = self.running[1:] or self.running
+    if self.victim == 'newest':
+      return candidates[-1]
+    # max() keeps the first of equals: scan newest first, so ties go to the newest.
+    newest_first = candidates[::-1]
+    if self.victim == 'least_progress':
+      return min(newest_first, key=lambda s: s.num_cached)
+    if self.victim == 'priority':
+      return max(newest_first, key=lambda s: s.params.priority)
+    return min(newest_first, key=lambda s: self._cost_s(self._unit(s)))
+
   def _preempt(self, seq: Sequence, plan: Plan) -> None:
-    """Swap when the policy says so and the host tier has room; otherwise recompute. A beam's
-    running siblings go with it (beams come back together, see _head_unit)."""
-    unit = [seq] if seq.beam is None else [s for s in self.running if s.beam is seq.beam]
+    """Swap when the policy says so (auto: when the cost model finds it cheaper) and the host
+    tier has room; otherwise recompute. A beam's running siblings go with it."""
+    unit = self._unit(seq)
     # A group swaps only if the host tier holds all of it: half swapped, half waiting, its beams
     # could come back at different times.
-    swap = self.preemption == 'swap' and self.host.can_allocate(
-        sum(self.blocks.blocks_for(s.num_cached) for s in unit))
+    n = self._swap_blocks(unit)
+    swap = self.preemption != 'recompute' and self.host.can_allocate(n)
+    if swap and self.preemption == 'auto':
+      swap = self.cost.swap_s(n) < self.cost.recompute_tokens_s(sum(s.num_cached for s in unit))
     for member in unit:
       self._preempt_one(member, plan, swap)
 

@@ -17,6 +17,13 @@ latency_s[3] = disk latency + host latency and 1 / bytes_per_s[3] = 1 / disk + 1
 bandwidth. The promotion rule picks j: 'auto' the least cost (ties go to loading), 'load' all
 k, 'recompute' none.
 
+Preemption (scheduler.py, preemption 'auto' and victim 'cost') weighs the same figures: a
+victim holding c cached tokens in b blocks costs
+  recompute_tokens_s(c) = c * prefill_s_per_token            (prefilled again on readmission)
+  swap_s(b)             = 2 * (latency_s[2] + b * block_bytes / bytes_per_s[2])
+                          (copied out to host RAM and back in; the host link is taken as
+                          symmetric, its host-to-device figures stand for both directions)
+
 The figures are measured on the running machine at engine start (pagedjax/tiering.py:
 prefill_s_per_token from a full prefill call of max_batch_size rows x prefill_chunk tokens, the
 batch a recomputation joins; bandwidth and latency from timed transfers of scratch blocks) or
@@ -48,7 +55,16 @@ class CostModel:
                {1: 0.0, 2: host_lat, 3: disk_lat + host_lat})
 
   def recompute_s(self, num_blocks: int) -> float:
-    return num_blocks * self.block_size * self.prefill_s_per_token
+    return self.recompute_tokens_s(num_blocks * self.block_size)
+
+  def recompute_tokens_s(self, num_tokens: int) -> float:
+    return num_tokens * self.prefill_s_per_token
+
+  def swap_s(self, num_blocks: int) -> float:
+    """A swap-out and the swap-in that brings the blocks back (see the module docstring)."""
+    if not num_blocks:
+      return 0.0
+    return 2 * (self.latency_s[2] + num_blocks * self.block_bytes / self.bytes_per_s[2])
 
   def load_s(self, tiers: Sequence[int]) -> float:
     return (sum(self.latency_s[t] for t in set(tiers)) +

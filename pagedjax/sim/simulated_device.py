@@ -42,7 +42,8 @@ from pagedjax.executor import PlanExecutor
 from pagedjax.host import beam as beam_lib
 from pagedjax.host.step_inputs import bucket
 from pagedjax.model.llama import ModelConfig
-from pagedjax.sim.cost_model import CostModel, StepShape
+from pagedjax.host import tier_cost
+from pagedjax.sim.cost_model import CostModel, StepShape, prefill_step
 from pagedjax.sim.hardware import Hardware, get_hardware
 
 
@@ -233,6 +234,18 @@ class SimulatedBackend:
 
   def executor(self, *args, **kwargs) -> SimulatedExecutor:
     return SimulatedExecutor(self, *args, **kwargs)
+
+  def preemption_cost(self, t, executor) -> tier_cost.CostModel:
+    """The figures preemption weighs (host/tier_cost.py), from this cost model rather than
+    measured: seconds per token of a full prefill call at the executor's largest shape, and the
+    host link's bandwidth and per-transfer overhead; config.tiers' non-zero figures win."""
+    rows, chunk = executor.batch_buckets[-1], executor.token_buckets[-1]
+    prefill = self.cost.step_time(prefill_step([chunk] * rows, chunk)) / (rows * chunk)
+    host = (t.host_bytes_per_s or self.hardware.host_link_bandwidth,
+            t.host_latency_s or self.cost.eff.step_overhead_s)
+    return tier_cost.CostModel.for_tiers(self.pool.block_size, self.cost.block_bytes,
+                                         t.prefill_s_per_token or prefill, host,
+                                         (math.inf, math.inf))
 
   def step(self, model_cfg, attention_impl=None, return_logits=False) -> SimulatedStep:
     del model_cfg, attention_impl
