@@ -1,4 +1,4 @@
-"""The policy table of a KV cache treated as working memory, on CPU with a tiny random Llama.
+"""The policy table of a KV cache treated as working memory, on CPU with a small random Llama.
 
   python -m experiments.reproduce_policies --workdir=runs/policies
   python -m experiments.reproduce_policies --config=configs/policy_table.py:tiny --workdir=/tmp/pt
@@ -10,8 +10,11 @@ Rows (`policies.rows`), each a change to this config (experiments/reproduce_poli
   pin         lru plus the trace's hot prefixes pinned (system prompt, documents, scaffold)
   ram         lru over a host-RAM tier (write-back, every hit loaded)
   ram_disk    lru over host RAM over a disk tier (local tensorstore files under the workdir)
-  auto        ram_disk with the cost model choosing load or recompute per hit, calibrated at
-              engine start
+  sessions    ram_disk, and a conversation idle for `session_idle_s` is demoted as a unit
+              (requests of multi-turn traces carry their conversation as session_id in every
+              row with a prefix cache; sessions are evicted as units in every such row)
+  auto        sessions with the cost model choosing load or recompute per hit and swap or
+              recompute per preemption victim, calibrated at engine start
 Traces (`policies.traces`, built by pagedjax.workloads with byte tokens of KJV text):
   multi_turn  chats resending their history each turn after a think time, many more
               conversations than the device pool holds (`device_share` of the working set)
@@ -27,13 +30,18 @@ import ml_collections
 from configs import default
 
 BLOCK_SIZE = 16
-ROWS = ['unlimited', 'recompute', 'lru', 'lfu', 'pin', 'ram', 'ram_disk', 'auto']
+ROWS = ('unlimited', 'recompute', 'lru', 'lfu', 'pin', 'ram', 'ram_disk', 'sessions', 'auto')
 
 
 def get_config(arg=None):
   config = default.get_config('tiny')
   config.model.random.vocab_size = 256  # prompts are UTF-8 bytes (see reproduce_memory.py)
   config.model.random.max_seq_len = 2048
+  # Wide enough that a prompt's prefill costs more than the host's work around it (with the
+  # 2-layer d_model=64 default, Python bookkeeping hid what a cache hit saves): 4 layers,
+  # d_model 256, 4 query / 2 KV heads of 64.
+  config.model.random.update(dict(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                  head_dim=64, ffn_dim=768))
   config.attention.impl = 'auto'
   config.engine.max_seq_len = 2048
   config.engine.max_batch_size = 16
@@ -42,9 +50,11 @@ def get_config(arg=None):
   config.scheduler.max_num_batched_tokens = 256
   config.prefix_cache.enabled = True
   config.policies = ml_collections.ConfigDict(dict(
-      rows=list(ROWS), traces=['multi_turn', 'rag', 'agent'],
+      # tuples, so that the command line can cut them: --config.policies.rows='("lru", "auto")'
+      rows=ROWS, traces=('multi_turn', 'rag', 'agent'),
       device_share=0.25,  # device pool / multi_turn working set (the issue's goal setting)
       host_share=0.5, disk_share=1.5,  # tier capacities, shares of the same working set
+      session_idle_s=2.0,  # rows sessions and auto: half the multi-turn think time
       unlimited_blocks=4096 + 1,
       repeats=3))  # runs per row (figures: medians); timings swing on a shared CPU
   config.multi_turn = ml_collections.ConfigDict(dict(
@@ -57,6 +67,7 @@ def get_config(arg=None):
       agents=8, steps=6, scaffold_tokens=384, dataset='alpaca', rate=1.0, step_gap_s=2.0,
       seed=0, max_input_len=96, max_output_len=24))
   if arg == 'tiny':
+    config.model.random.update(dict(d_model=64, num_layers=2, head_dim=16, ffn_dim=128))
     config.engine.max_seq_len = 512
     config.engine.max_batch_size = 8
     config.engine.prefill_chunk = 32

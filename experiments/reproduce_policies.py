@@ -5,7 +5,7 @@
 
 Rows, traces and tier sizes: configs/policy_table.py. Every row of every trace is one engine
 (pagedjax.engine) replaying the trace open-loop (requests at their trace times, EOS ignored),
-`policies.repeats` times (each figure: the median); the tiny random model's compiled steps are
+`policies.repeats` times (each figure: the median); the random model's compiled steps are
 shared by all of them (experiments/jobs.py).
 
 Writes to WORKDIR:
@@ -24,8 +24,9 @@ Goals (on the multi_turn trace, the device pool holding `device_share` of its wo
   ram_disk's hit rate >= 90% of unlimited's; auto's TTFT p50 >= 3x better than recompute's;
   on every trace, auto's TTFT p50 within 5% of the best fixed row (unlimited excluded).
 Times are the engine clock: measured wall time of the engine's iterations, compilation
-excluded, on this CPU; a tiny model's prefill is cheap next to its Python host work, which is
-what limits how much a cache can save here (see README).
+excluded, on this CPU. The model (configs/policy_table.py) is sized so that prefill costs more
+than the Python host work around it; with a smaller one, the host work hides what a cache hit
+saves (see README).
 """
 import copy
 import csv
@@ -44,13 +45,15 @@ from pagedjax import run_info, workloads
 from pagedjax.host.prefix_cache import PinError, chain_keys
 from pagedjax.host.sampling_params import SamplingParams
 
-FIXED = ('recompute', 'lru', 'lfu', 'pin', 'ram', 'ram_disk')  # rows auto is compared with
+# rows auto is compared with
+FIXED = ('recompute', 'lru', 'lfu', 'pin', 'ram', 'ram_disk', 'sessions')
 COLUMNS = ('trace', 'policy', 'device_blocks', 'host_blocks', 'disk_blocks', 'hit_rate',
            'tier1_hit_rate', 'tier2_hit_rate', 'tier3_hit_rate', 'prompt_tokens_submitted',
            'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p99_s', 'generated_tokens_per_s',
            'tier2_promoted_bytes', 'tier3_promoted_bytes', 'tier2_demoted_bytes',
            'tier3_demoted_bytes', 'declined_blocks', 'tier3_failed_blocks',
-           'prefix_cache_evictions', 'preemptions', 'duration_s')
+           'prefix_cache_evictions', 'preemptions', 'preemptions_swap',
+           'session_idle_demoted_blocks', 'tiers_prefetch_taken_blocks', 'duration_s')
 
 
 def make_traces(config) -> dict:
@@ -112,17 +115,20 @@ def row_config(base, row: str, size: dict, kv_dir: str):
   c.pool.num_blocks = c.policies.unlimited_blocks if row == 'unlimited' else size['device']
   c.prefix_cache.enabled = row != 'recompute'
   c.prefix_cache.eviction = 'lfu' if row == 'lfu' else 'lru'
+  if row in ('sessions', 'auto'):
+    # A session idle for half the think time is demoted as a unit, ahead of its next turn.
+    c.prefix_cache.session_idle_s = c.policies.session_idle_s
   if row == 'pin':
     # What validation allows: the pool less one longest request (engine.max_seq_len).
     room = c.pool.num_blocks - 1 - math.ceil(c.engine.max_seq_len / c.pool.block_size)
     c.tiers.pinned_blocks = max(0, min(size['hot_blocks'], room))
-  if row in ('ram', 'ram_disk', 'auto'):
+  if row in ('ram', 'ram_disk', 'sessions', 'auto'):
     c.tiers.host_blocks, c.tiers.promotion = size['host'], 'load'
-  if row in ('ram_disk', 'auto'):
+  if row in ('ram_disk', 'sessions', 'auto'):
     shutil.rmtree(kv_dir, ignore_errors=True)  # a fresh store: no hits from an earlier row
     c.tiers.disk_blocks, c.tiers.disk_kvstore = size['disk'], kv_dir
   if row == 'auto':
-    c.tiers.promotion = 'auto'
+    c.tiers.promotion = c.scheduler.preemption = 'auto'
   return config_lib.validate_config(c)
 
 
@@ -138,8 +144,11 @@ def replay(config, requests, hot, timeline_path: str) -> dict:
     except PinError:
       break  # the budget holds the first ones
   for r in requests:
+    # Turns of one conversation are a session (where a cache keeps sessions).
+    session = (f'conversation-{r.conversation_id}'
+               if cache is not None and r.conversation_id is not None else None)
     engine.submit(r.prompt_ids, SamplingParams(max_new_tokens=r.max_new_tokens,
-                                               stop_on_eos=False),
+                                               stop_on_eos=False, session_id=session),
                   arrival_time=r.arrival_time)
   engine.run()
   if engine.tiers is not None:
@@ -242,7 +251,7 @@ def plot(rows: list, workdir: str) -> None:
     axes[1][col].legend()
     for ax in axes[:, col]:
       ax.tick_params(axis='x', rotation=45)
-  fig.suptitle('KV policy table (CPU, tiny random Llama; measured engine clock)')
+  fig.suptitle('KV policy table (CPU, small random Llama; measured engine clock)')
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, 'policies.png'), dpi=100)
   plt.close(fig)

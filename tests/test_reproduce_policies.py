@@ -13,7 +13,7 @@ def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   config.policies.traces = ['multi_turn']
   summary = reproduce_policies.study(config, str(tmp_path))
   rows = {r['policy']: r for r in summary['rows']}
-  assert list(rows) == config.policies.rows
+  assert list(rows) == list(config.policies.rows)
   # The device pool holds part of the working set; the tiers find what it lost.
   size = summary['sizes']['multi_turn']
   assert size['device'] - 1 < size['working_set_blocks']
@@ -25,7 +25,7 @@ def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   assert set(summary['goals']) == {'multi_turn_ttft_p50_speedup_vs_recompute',
                                    'multi_turn_auto_ttft_p50_vs_best_fixed'}
   with open(tmp_path / 'results.csv') as f:
-    assert [r['policy'] for r in csv.DictReader(f)] == config.policies.rows
+    assert [r['policy'] for r in csv.DictReader(f)] == list(config.policies.rows)
   assert json.loads((tmp_path / 'summary.json').read_text())['sizes'] == summary['sizes']
   assert (tmp_path / 'policies.png').stat().st_size > 0
   assert (tmp_path / 'table.md').read_text().count('\n') == 2 + len(rows)
@@ -34,3 +34,5 @@ def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   assert sum(int(r['tier3_hit_blocks']) for r in timeline) > 0
   assert max(int(r['tier3_blocks']) for r in timeline) <= rows['ram_disk']['disk_blocks']
   assert not (tmp_path / 'timelines' / 'multi_turn-lru.csv').exists()
+  # auto keeps sessions: conversations idle past session_idle_s were demoted as units.
+  assert rows['auto']['session_idle_demoted_blocks'] > 0
