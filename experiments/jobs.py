@@ -5,12 +5,18 @@ bigger outputs (timelines) into workdir, the point's own directory. Sweep config
 with `config.job`: a key of JOBS, or 'package.module:function' for jobs kept elsewhere.
 
   trace   replay a synthetic trace (config.trace, pagedjax.workloads) through one engine built
-          from the config; the engine's serving metrics (pagedjax.host.metrics) plus trace figures.
+          from the config; the engine's serving metrics (pagedjax.host.metrics), trace figures,
+          and what block tables cost the host (host_costs).
+  trace_with_block_overhead
+          trace, plus the attention kernel's time and the host's time to build one call's
+          inputs at config.block_overhead's context, with their fitted per-block costs
+          (experiments/block_overhead.py): the block-size sweep's job.
 """
 import importlib
 import json
 import os
 
+from experiments import block_overhead
 from pagedjax import factory, run_info, workloads
 from pagedjax.config import Config, ConfigError
 from pagedjax.engine import RequestError
@@ -71,13 +77,39 @@ def trace(config, workdir: str) -> dict:
   trace_figures = workloads.summarize(requests)
   row.update(rejected_requests=len(rejected), trace_requests=len(requests),
              trace_mean_input_len=trace_figures['mean_input_len'],
-             trace_mean_output_len=trace_figures['mean_output_len'])
+             trace_mean_output_len=trace_figures['mean_output_len'],
+             trace_max_tokens=max(len(r.prompt_ids) + r.max_new_tokens for r in requests),
+             **host_costs(engine.stats, row['iterations']))
   with run_info.atomic_write(os.path.join(workdir, 'timeline.json')) as f:
     json.dump({'timeline': engine.metrics.timeline(), 'rejected': rejected}, f)
   return row
 
 
-JOBS = {'trace': trace}
+def host_costs(stats, iterations: int) -> dict:
+  """What block tables cost the host, from the executor's counters (pagedjax/executor.py):
+  table entries of a row of a step call (mean and max over every real row of every call: a
+  sequence's blocks up to the tokens that call feeds), the padded int32 tables the steps
+  receive (bytes per iteration, and the share of them that is padding), and the host seconds
+  per iteration spent building the steps' inputs."""
+  rows, entries = stats['block_table_rows'], stats['block_table_entries']
+  table_bytes = stats['block_table_bytes']
+  per_iteration = lambda x: x / iterations if iterations else None
+  return dict(
+      block_table_entries_mean=entries / rows if rows else None,
+      block_table_entries_max=stats['block_table_entries_max'],
+      block_table_bytes_per_iteration=per_iteration(table_bytes),
+      block_table_padding_fraction=1 - 4 * entries / table_bytes if table_bytes else None,
+      step_input_s_per_iteration=per_iteration(stats['step_input_seconds']))
+
+
+def trace_with_block_overhead(config, workdir: str) -> dict:
+  """trace's row plus block_overhead's figures at this point's block size. Those are timed
+  first (all of config.block_overhead.block_sizes, once per process), before any trace runs."""
+  overhead = block_overhead.figures(config, _model(config)[0])
+  return {**trace(config, workdir), **overhead}
+
+
+JOBS = {'trace': trace, 'trace_with_block_overhead': trace_with_block_overhead}
 
 
 def get_job(name: str):

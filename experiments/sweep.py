@@ -7,8 +7,9 @@ A sweep config is an experiment config plus
   config.job    the per-point job: a key of experiments.jobs.JOBS or 'package.module:function'
   config.sweep  a list of points, each a dict of dotted overrides of the base config, e.g.
                 {'pool.block_size': 16, 'pool.num_blocks': 1025}
-  config.plot   (optional) x: a swept key; y: figures to plot, one panel each; group: a swept
-                key drawn as separate lines; logx: bool
+  config.plot   (optional) x: a swept key; y: figures to plot, one panel each (or a list of
+                such lists: one row of panels each); group: a swept key drawn as separate
+                lines; logx: bool; logy: figures drawn on a log scale
 Each point is the base config with its overrides applied, validated, then run; its row (the
 overrides, then the job's figures) is appended to WORKDIR/results.jsonl the moment it is done,
 so an interrupted sweep resumes where it stopped: a rerun skips every point whose overrides and
@@ -182,15 +183,24 @@ def write_csv(path: str, rows: List[dict]) -> None:
 
 
 def plot(path: str, rows: List[dict], spec) -> None:
-  """One panel per figure in spec.y against spec.x, a line per value of spec.group."""
+  """One panel per figure in spec.y against spec.x, a line per value of spec.group; a spec.y of
+  lists draws one row of panels per list."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  ys = list(spec.y)
+  grid = [list(y) for y in spec.y] if all(isinstance(y, (list, tuple)) for y in spec.y) else [
+      list(spec.y)]
+  width = max(len(ys) for ys in grid)
+  logy = set(spec.get('logy') or ())
   group = spec.get('group')
-  fig, axes = plt.subplots(1, len(ys), figsize=(4.5 * len(ys), 3.6), squeeze=False)
+  fig, axes = plt.subplots(len(grid), width, figsize=(4.5 * width, 3.6 * len(grid)),
+                           squeeze=False)
   groups = sorted({r.get(group) for r in rows}, key=str) if group else [None]
-  for ax, y in zip(axes[0], ys):
+  panels = [(axes[i][j], y) for i, ys in enumerate(grid) for j, y in enumerate(ys)]
+  for i, ys in enumerate(grid):  # rows shorter than the widest leave their last panels empty
+    for ax in axes[i][len(ys):]:
+      ax.axis('off')
+  for ax, y in panels:
     for g in groups:
       sel = [r for r in rows if group is None or r.get(group) == g]
       pts = sorted((r[spec.x], r[y]) for r in sel if r.get(y) is not None)
@@ -198,6 +208,8 @@ def plot(path: str, rows: List[dict], spec) -> None:
         ax.plot(*zip(*pts), marker='o', label=None if g is None else f'{group}={g}')
     if spec.get('logx'):
       ax.set_xscale('log', base=2)
+    if y in logy:
+      ax.set_yscale('log')
     ax.set_xlabel(spec.x)
     ax.set_title(y)
     ax.grid(alpha=0.3)

@@ -157,6 +157,16 @@ class PlanExecutor:
     batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
     inputs = build_step_inputs(specs, self.block_size, batch_buckets, self.token_buckets,
                                self.table_width_buckets)
+    # What small blocks cost the host (the block-size sweep reports these, experiments/jobs.py):
+    # the time to build the inputs, the padded block-table bytes the step receives, and each
+    # real row's table entries.
+    self.stats['step_input_seconds'] += self._timer() - built
+    self.stats['block_table_bytes'] += inputs.block_tables.nbytes
+    entries = [len(spec.block_table) for spec in specs]
+    self.stats['block_table_rows'] += len(entries)
+    self.stats['block_table_entries'] += sum(entries)
+    self.stats['block_table_entries_max'] = max(self.stats['block_table_entries_max'],
+                                                max(entries))
     # A call holding a beam row returns top-K candidates too (one K bucket for the call).
     topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
                 for s, _ in rows if s.beam), default=0)

@@ -6,6 +6,7 @@ import csv
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -14,29 +15,72 @@ import sys
 import pytest
 
 from configs import ablate_block_size, reproduce_memory as reproduce_config
-from experiments import cli, jobs, reproduce_memory, sweep
+from experiments import block_overhead, cli, jobs, reproduce_memory, sweep
+from pagedjax import executor
 from pagedjax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def counting_job(calls):
+def counting_job(calls, tables=None):
+  """The config's own job, counting its calls; with `tables`, also recording per block size
+  every step call's padded block-table shape and its real rows' table lengths."""
   def job(config, workdir):
     calls.append(config.pool.block_size)
-    return jobs.trace(config, workdir)
+    if tables is None:
+      return jobs.get_job(config.job)(config, workdir)
+    calls_tables = tables.setdefault(config.pool.block_size, [])
+    build = executor.build_step_inputs
+
+    def recording_build(specs, *args):
+      inputs = build(specs, *args)
+      calls_tables.append((inputs.block_tables.shape, [len(s.block_table) for s in specs]))
+      return inputs
+    executor.build_step_inputs = recording_build
+    try:
+      return jobs.get_job(config.job)(config, workdir)
+    finally:
+      executor.build_step_inputs = build
   return job
+
+
+def check_block_costs(row, tables):
+  """The row's block-table and kernel figures against the step calls' own tables and the
+  trace's lengths."""
+  bs, iterations = row['pool.block_size'], row['iterations']
+  padded = sum(rows * width * 4 for (rows, width), _ in tables)
+  entries = [n for _, lengths in tables for n in lengths]
+  assert row['block_table_bytes_per_iteration'] == pytest.approx(padded / iterations)
+  assert row['block_table_entries_mean'] == pytest.approx(sum(entries) / len(entries))
+  assert row['block_table_padding_fraction'] == pytest.approx(1 - 4 * sum(entries) / padded)
+  # The longest request's last decode call feeds all its tokens but the last one sampled.
+  assert row['block_table_entries_max'] == max(entries) == math.ceil(
+      (row['trace_max_tokens'] - 1) / bs)
+  assert 0 < row['step_input_s_per_iteration'] < row['host_s_per_step']
+  settings = ablate_block_size.get_config('tiny').block_overhead
+  assert row['attention_blocks_read'] == settings.batch * math.ceil(settings.context / bs)
+  assert row['attention_loop_steps'] == math.ceil(settings.context / 64)  # 64 tokens a step
+  # Two block sizes: the line goes through both points.
+  assert row['attention_fixed_s'] + row['attention_s_per_block'] * row[
+      'attention_blocks_read'] == pytest.approx(row['attention_s'], rel=1e-6, abs=1e-9)
+  assert row['attention_steps_fit_s_per_loop_step'] is None  # equal loop steps: not separable
+  assert row['step_inputs_fixed_s'] + row['step_inputs_s_per_entry'] * row[
+      'attention_blocks_read'] == pytest.approx(row['step_inputs_call_s'], rel=1e-6, abs=1e-9)
 
 
 def test_sweep_runs_each_point_once_and_skips_done_points(tmp_path):
   config = ablate_block_size.get_config('tiny')
-  workdir, calls = str(tmp_path), []
-  rows = sweep.run_sweep(config, workdir, job=counting_job(calls))
+  workdir, calls, tables = str(tmp_path), [], {}
+  rows = sweep.run_sweep(config, workdir, job=counting_job(calls, tables))
   assert calls == [8, 16]
   for name in ('results.jsonl', 'results.csv', 'summary.json', 'plot.png'):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
   for row in rows:  # every request of the trace finished, none rejected
     assert row['finished_requests'] == row['trace_requests'] and row['rejected_requests'] == 0
     assert 0 < row['kv_utilization'] <= 1
+    check_block_costs(row, tables[row['pool.block_size']])
+  # One kernel measurement for the sweep: both rows carry the same fit.
+  assert rows[0]['attention_s_per_block'] == rows[1]['attention_s_per_block']
   with open(os.path.join(workdir, 'results.csv')) as f:
     table = list(csv.DictReader(f))
   assert [int(r['pool.block_size']) for r in table] == [8, 16]
@@ -60,6 +104,27 @@ def test_sweep_runs_each_point_once_and_skips_done_points(tmp_path):
   assert '2 of 2 points already in' in out.stdout
   with open(os.path.join(workdir, 'results.jsonl')) as f:
     assert len(f.readlines()) == 3
+
+
+def test_block_overhead_fits_and_settings():
+  blocks, steps = [16384, 2048, 256, 128, 64], [32, 32, 32, 16, 8]
+  seconds = [1e-4 + 5e-8 * b + 2e-5 * s for b, s in zip(blocks, steps)]
+  assert block_overhead.fit_blocks_and_steps(blocks, steps, seconds) == pytest.approx(
+      (1e-4, 5e-8, 2e-5))
+  assert block_overhead.fit_blocks_and_steps(blocks[:3], steps[:3], seconds[:3]) is None
+  assert block_overhead.fit_line([1, 3], [5, 11]) == pytest.approx((2, 3))
+  assert [block_overhead.loop_steps('xla', 2048, bs) for bs in (1, 16, 64, 128, 256)] == [
+      32, 32, 32, 16, 8]
+  inputs = block_overhead.step_input_builders(100, 3, [16])[16]()  # 3 rows of 7 blocks
+  assert inputs.block_tables.tolist() == [list(range(1 + 7 * i, 8 + 7 * i)) for i in range(3)]
+  assert inputs.context_lens.tolist() == [100] * 3
+  config = ablate_block_size.get_config('tiny')
+  config.pool.block_size = 32
+  with pytest.raises(ConfigError, match=r'pool.block_size=32 is not in config.block_overhead'):
+    block_overhead.figures(config, None)
+  config.block_overhead.rounds = 0
+  with pytest.raises(ConfigError, match=r'config.block_overhead.rounds=0 is not allowed'):
+    block_overhead.figures(config, None)
 
 
 def test_bad_points_fail_before_any_run(tmp_path):
