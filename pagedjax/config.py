@@ -294,6 +294,36 @@ class TiersConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AlertsConfig:
+  """The windowed prefix hit rate, its alert and the throttle the alert drives
+  (pagedjax/host/alerts.py): a recomputation storm seen and damped."""
+  hit_rate_window: int = 32  # iterations the windowed prefix hit rate covers
+  # The alert fires when the windowed rate falls more than this fraction below the window
+  # before; 0 = no alert.
+  hit_rate_drop: float = 0.0
+  # Prompt tokens per iteration at most while the alert is active; 0 = no throttle.
+  throttle_prefill_tokens: int = 0
+
+  def validate(self, prefix_caching: bool):
+    if not _is_int(self.hit_rate_window) or self.hit_rate_window < 1:
+      _fail('alerts.hit_rate_window', self.hit_rate_window, 'an integer >= 1 (iterations)')
+    d = self.hit_rate_drop
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1:
+      _fail('alerts.hit_rate_drop', d, 'a fraction in [0, 1): how far the windowed hit rate '
+            'must fall below the window before to fire the alert (0 = no alert)')
+    if d and not prefix_caching:
+      _fail('alerts.hit_rate_drop', d,
+            '0 unless prefix_cache.enabled=True (the alert watches the prefix hit rate)')
+    n = self.throttle_prefill_tokens
+    if not _is_int(n) or n < 0:
+      _fail('alerts.throttle_prefill_tokens', n,
+            'an integer >= 0 (prompt tokens per iteration while the alert is active; 0 = none)')
+    if n and not d:
+      _fail('alerts.throttle_prefill_tokens', n,
+            '0 unless alerts.hit_rate_drop > 0 (the alert turns the throttle on and off)')
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
   model: int = 1  # tensor-parallel degree: KV pool over KV heads, weights over heads / MLP
 
@@ -313,6 +343,7 @@ class Config:
   scheduler: SchedulerConfig = SchedulerConfig()
   prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
   tiers: TiersConfig = TiersConfig()
+  alerts: AlertsConfig = AlertsConfig()
   sampling: SamplingParams = SamplingParams()
   mesh: MeshConfig = MeshConfig()
 
@@ -327,6 +358,7 @@ class Config:
     self.scheduler.validate(self.engine.max_batch_size)
     self.prefix_cache.validate()
     self.tiers.validate(self.pool, self.engine.max_seq_len, self.prefix_cache.enabled)
+    self.alerts.validate(self.prefix_cache.enabled)
     try:
       self.sampling.validate()
     except ValueError as e:

@@ -4,7 +4,8 @@ Each iteration (`step`): release the requests whose arrival time has come (host/
 the scheduler plan the iteration (host/scheduler.py), hand lanes to new running sequences
 (host/lanes.py), run the plan on the device (executor.py: block transfers and copies, then the
 jitted steps over the KV pool), append the sampled tokens, record the iteration's metrics
-(host/metrics.py), retire finished requests and advance beam groups (host/beam_search.py).
+(host/metrics.py; with the prefix hit-rate alert, host/alerts.py, and the admission throttle it
+drives), retire finished requests and advance beam groups (host/beam_search.py).
 
 `clock` is simulated seconds: the measured time of the engine's own iterations without
 compilation (a one-off cost that would tax whichever run meets more shapes), idle gaps jumped
@@ -19,6 +20,7 @@ from pagedjax import tiering
 from pagedjax.config import Config
 from pagedjax.device.step import CompiledStep
 from pagedjax.executor import DEVICE
+from pagedjax.host.alerts import HitRateMonitor
 from pagedjax.host.allocator import BlockAllocator
 from pagedjax.host.beam_search import BeamSearch
 from pagedjax.host.block_manager import BlockManager
@@ -90,7 +92,11 @@ class Engine:
         eos_id=eos_id, tokenizer=tokenizer)
     self.lanes = Lanes(eng.max_batch_size)
     self.beams = BeamSearch(self.scheduler, self.lanes, self.stats, self.max_seq_len)
-    self.metrics = Metrics(pool_cfg.block_size, pool_cfg.num_blocks, self.prefix_cache)
+    alerts = config.alerts  # the windowed prefix hit rate, its alert and throttle
+    self.hit_rate = HitRateMonitor(alerts.hit_rate_window, alerts.hit_rate_drop,
+                                   alerts.throttle_prefill_tokens)
+    self.metrics = Metrics(pool_cfg.block_size, pool_cfg.num_blocks, self.prefix_cache,
+                           self.hit_rate)
     self.clock, self._timer = 0.0, timer
     self.completions = Completions(self.metrics, tokenizer)
     self.finished = self.completions.finished  # request id -> Completion
@@ -170,6 +176,8 @@ class Engine:
         decode_tokens=plan.num_decode_tokens,
         host_s=now - self.clock - timing['device'], device_s=timing['device'],
         compile_s=timing['compile'])
+    if self.hit_rate.throttle_prefill_tokens:  # admission throttled while the alert is active
+      self.scheduler.prefill_cap = self.hit_rate.prefill_cap
     completions = []
     for seq, reason in finishing:
       if reason:

@@ -188,7 +188,14 @@ class PlanExecutor:
       # Prompt positions fed (recomputation after preemption included): what prefix caching saves.
       self.stats['prompt_tokens_computed'] += max(
           0, min(seq.num_cached + n, len(seq.prompt_ids)) - seq.num_cached)
+      # Positions it had cached before a recompute preemption, fed again: thrashing's waste.
+      # (The high-water mark starts from what admission, a fork or a promotion handed it.)
+      seq.max_cached = max(seq.max_cached, seq.num_cached)
+      self.stats['recomputed_tokens'] += max(
+          0, min(seq.num_cached + n, seq.max_cached) - seq.num_cached)
+      self.stats['tokens_fed'] += n
       seq.num_cached += n
+      seq.max_cached = max(seq.max_cached, seq.num_cached)
       self.blocks.offer_full_blocks(seq)
       if seq.num_pending:  # a mid-prompt chunk samples nothing
         continue

@@ -193,6 +193,42 @@ def shared_system_prompt(n_requests: int, system_tokens: int = 1000, dataset='sh
                    int(n_out[i]), shared_prefix_len=system_tokens) for i in range(n_requests)])
 
 
+def system_prompt_switch(n_requests: int, system_tokens: int = 1000,
+                         switch_time_s: float = 60.0, dataset='sharegpt', *,
+                         encode: Encode = byte_encode, rate: float = 1.0, seed: int = 0,
+                         max_input_len: int = 1024, max_output_len: int = 1024,
+                         calibrate: bool = True) -> list[TraceRequest]:
+  """A deployment mid-run: the shared system prompt changes version at switch_time_s.
+
+  Requests arriving before switch_time_s start with system prompt v1, the others with v2 (another
+  passage of the same length), then their own user message (`dataset`'s input law, at most
+  max_input_len tokens). Arrivals are Poisson at `rate` requests/s, which must be finite (all at
+  t=0 there would be no before and after). Each request's prefix is its version's system prompt
+  (shared_prefix_len); the first request at or after switch_time_s names v2.
+  """
+  if math.isinf(rate) or not rate > 0:
+    raise ValueError(f'rate={rate} is not allowed: a finite number of requests/s > 0 (a switch '
+                     'needs arrivals before and after it)')
+  if not 0 < switch_time_s < math.inf:
+    raise ValueError(f'switch_time_s={switch_time_s} is not allowed: a finite number of '
+                     'seconds > 0 (the first request arrives at 0)')
+  if system_tokens < 1:
+    raise ValueError(f'system_tokens={system_tokens} is not allowed: at least 1')
+  in_dist, out_dist = get_dataset(dataset)
+  len_rng, arrival_rng, text_rng = _streams(seed)
+  v1 = _random_tokens(encode, text_rng, system_tokens)
+  v2 = v1
+  while v2 == v1:  # another passage (two equal draws are one chance in ~31,000 verses)
+    v2 = _random_tokens(encode, text_rng, system_tokens)
+  n_in = in_dist.sample(n_requests, len_rng, max_input_len, calibrate=calibrate)
+  n_out = out_dist.sample(n_requests, len_rng, max_output_len, calibrate=calibrate)
+  times = poisson_arrivals(n_requests, rate, arrival_rng)
+  return _ordered([
+      TraceRequest(i, float(times[i]), (v1 if times[i] < switch_time_s else v2) +
+                   _random_tokens(encode, text_rng, int(n_in[i])), int(n_out[i]),
+                   shared_prefix_len=system_tokens) for i in range(n_requests)])
+
+
 def few_shot(n_requests: int, n_shots: int = 5, n_templates: int = 1, dataset='alpaca', *,
              encode: Encode = byte_encode, rate: float = math.inf, seed: int = 0,
              max_input_len: int = 1024, max_output_len: int = 1024,

@@ -82,3 +82,20 @@ def test_ttft_counts_queueing_from_arrival():
   late = engine.finished[1]
   assert late.arrival_time == 0.5 and late.first_token_time == 4.0
   assert engine.summary()['ttft_p50_s'] == pytest.approx((1.0 + 3.5) / 2)
+
+
+def test_goodput_leaves_out_aborted_requests_and_preemptions_are_counted_per_request():
+  """Goodput: tokens of requests that finished, over first arrival to last finish; an aborted
+  request's tokens count in throughput only. Re-preempted: preempted at least twice."""
+  from pagedjax.host.metrics import Metrics  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.sequence import Completion  # pylint: disable=import-outside-toplevel
+  m = Metrics(block_size=4, num_blocks=9)
+  for request_id, outputs, reason, preemptions in ((0, 6, 'length', 0), (1, 4, 'length', 2),
+                                                   (2, 2, 'aborted', 1)):
+    m.record_finish(Completion(request_id, [1, 2], list(range(outputs)), reason, preemptions,
+                               arrival_time=1.0, first_token_time=2.0, finish_time=5.0))
+  s = m.summary()
+  assert s['duration_s'] == 4.0
+  assert s['generated_tokens_per_s'] == 12 / 4 and s['goodput_tokens_per_s'] == 10 / 4
+  assert s['preempted_requests'] == 2 and s['re_preempted_requests'] == 1
+  assert s['max_preemptions_per_request'] == 2

@@ -152,7 +152,9 @@ class BlockManager:
     """seq, a turn of a session, finished: its cached blocks become the session's (before
     deallocate releases them, sessions.py)."""
     if seq.params.session_id is not None and self.cache is not None:
-      self.cache.end_turn(seq.params.session_id, seq.block_table[:seq.num_offered], now)
+      # A block another sequence still holds (a shared system prompt) is not the session's own.
+      own = [b for b in seq.block_table[:seq.num_offered] if self.allocator.ref_count(b) == 1]
+      self.cache.end_turn(seq.params.session_id, own, now)
 
   def demote_idle_sessions(self, now: float) -> int:
     """Evicts, as a unit, the idle device blocks of every session idle past its timeout

@@ -20,7 +20,17 @@ reports (20.4-38.2% for prior systems, ~96% paged).
 Times are engine-clock seconds (see engine.py: wall time of the engine's work, compilation
 excluded, idle gaps jumped). Latency figures: TTFT = first token - arrival; TPOT (time per
 output token) = (finish - first token) / (outputs - 1) per request; normalized latency =
-(finish - arrival) / outputs, the vLLM paper's serving metric.
+(finish - arrival) / outputs, the vLLM paper's serving metric. Goodput = generated tokens of
+requests that finished (not aborted) per second of the run (first arrival to last finish).
+
+Thrashing (preemption dominating): preempted and re-preempted requests (preempted >= 1 and
+>= 2 times), and `recomputed_token_fraction` = positions fed again below what their sequence
+had cached before a recompute preemption (executor.py's 'recomputed_tokens') over all positions
+fed ('tokens_fed': prompt chunks, recomputation and decodes).
+
+Prefix lookups: with a prefix cache, each iteration also records the tokens its admissions
+queried and found in the cache, the windowed hit rate over recent iterations and whether the
+hit-rate alert is active (host/alerts.py: the alert, its records and the throttle it drives).
 """
 import collections
 import itertools
@@ -28,12 +38,14 @@ from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 
+from pagedjax.host.alerts import HitRateMonitor
 from pagedjax.host.sequence import Completion, Sequence
 
 # The engine's own counters that engine_summary() reports next to the metrics.
 ENGINE_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
                    'swapped_out_blocks', 'swapped_in_blocks', 'forks', 'cow_copies',
-                   'prompt_tokens_submitted', 'prompt_tokens_computed', 'aborted')
+                   'prompt_tokens_submitted', 'prompt_tokens_computed', 'aborted',
+                   'tokens_fed', 'recomputed_tokens')
 WASTE = ('token_states', 'internal_fragmentation', 'reservation', 'free_unusable', 'free_idle',
          'pinned')
 
@@ -74,9 +86,13 @@ def percentile(values, q) -> Optional[float]:
 
 class Metrics:
 
-  def __init__(self, block_size: int, num_blocks: int, cache=None):
-    """cache: the prefix cache, whose pinned idle blocks are neither held nor free."""
+  def __init__(self, block_size: int, num_blocks: int, cache=None,
+               hit_rate: Optional[HitRateMonitor] = None):
+    """cache: the prefix cache, whose pinned idle blocks are neither held nor free, and whose
+    lookups feed hit_rate (host/alerts.py; by default a monitor with no alert)."""
     self.block_size, self.cache = block_size, cache
+    self.hit_rate = hit_rate or HitRateMonitor()
+    self._lookups = (0, 0)  # the cache's cumulative (queried, hit) tokens at the last iteration
     self.capacity = (num_blocks - 1) * block_size
     self.steps: Dict[str, List[float]] = collections.defaultdict(list)
     self.requests: List[Completion] = []
@@ -98,8 +114,20 @@ class Metrics:
                swapped=num_swapped,
                prefill_tokens=prefill_tokens, decode_tokens=decode_tokens, host_s=host_s,
                device_s=device_s, compile_s=compile_s)
+    if self.cache is not None:
+      row.update(self._lookup_row(t))
     for key, value in row.items():
       self.steps[key].append(value)
+
+  def _lookup_row(self, t: float) -> dict:
+    """This iteration's prefix lookups (the cache counts them cumulatively), fed to hit_rate."""
+    total = (self.cache.queried_tokens, self.cache.hit_tokens)
+    queried, hit = total[0] - self._lookups[0], total[1] - self._lookups[1]
+    self._lookups = total
+    self.hit_rate.observe(len(self.steps['t']), t, queried, hit)
+    return dict(prefix_queried_tokens=queried, prefix_hit_tokens=hit,
+                prefix_hit_rate_windowed=self.hit_rate.rate,
+                hit_rate_alert=int(self.hit_rate.active))
 
   def record_finish(self, completion: Completion) -> None:
     self.requests.append(completion)
@@ -168,9 +196,12 @@ class Metrics:
     submitted = counters['prompt_tokens_submitted']
     out['prefill_tokens_saved_fraction'] = (
         1 - counters['prompt_tokens_computed'] / submitted if submitted else None)
+    fed = counters['tokens_fed']
+    out['recomputed_token_fraction'] = counters['recomputed_tokens'] / fed if fed else None
     out['prefix_caching'] = prefix_cache is not None
     if prefix_cache is not None:
       out.update(prefix_cache.figures(), prefix_cache_eviction=prefix_cache.eviction)
+      out.update(self.hit_rate.figures())
     out.update(peak_blocks_used=self.peak_blocks_used(),
                kv_utilization_at_peak=self.utilization_at_peak(), **fields)
     return out
@@ -178,7 +209,10 @@ class Metrics:
   def _request_figures(self) -> dict:
     reqs = self.requests
     generated = sum(len(c.output_ids) for c in reqs)
-    out = {'finished_requests': len(reqs), 'generated_tokens': generated}
+    out = {'finished_requests': len(reqs), 'generated_tokens': generated,
+           'preempted_requests': sum(c.num_preemptions >= 1 for c in reqs),
+           're_preempted_requests': sum(c.num_preemptions >= 2 for c in reqs),
+           'max_preemptions_per_request': max((c.num_preemptions for c in reqs), default=0)}
     if not reqs:
       return out
     start = min(c.arrival_time for c in reqs)
@@ -187,9 +221,12 @@ class Metrics:
     tpot = [(c.finish_time - c.first_token_time) / (len(c.output_ids) - 1)
             for c in reqs if len(c.output_ids) > 1]
     norm = [(c.finish_time - c.arrival_time) / len(c.output_ids) for c in reqs]
+    # Goodput counts only requests that finished (an aborted one's tokens served nobody).
+    good = sum(len(c.output_ids) for c in reqs if c.finish_reason != 'aborted')
     out.update(
         duration_s=duration,
         generated_tokens_per_s=generated / duration if duration > 0 else None,
+        goodput_tokens_per_s=good / duration if duration > 0 else None,
         requests_per_s=len(reqs) / duration if duration > 0 else None,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),

@@ -202,7 +202,10 @@ class CacheBase:
       return
     tick = next(self._tick)
     session = self.sessions.order(block) if self.sessions is not None else None
-    count, major = session if session is not None else (self._hits[block], tick)
+    count, major = session if session is not None else (0, tick)
+    # LFU: a session's block counts its session's turns, or its own hits if more (a prefix
+    # several sessions share stays as hot as its hits say).
+    count = max(count, self._hits[block])
     priority = (major, tick) if self.eviction == 'lru' else (count, major, tick)
     self._evictable[block] = priority
     heapq.heappush(self._heap, (priority, block))

@@ -24,6 +24,8 @@ class Sequence:
   block_table: List[int] = dataclasses.field(default_factory=list)
   host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
   num_cached: int = 0  # leading tokens whose K/V are in the pool (or, swapped, in the host tier)
+  max_cached: int = 0  # the most num_cached has been: positions below it fed again after a
+  # recompute preemption are recomputed work (executor.py counts them)
   block_keys: List[int] = dataclasses.field(default_factory=list)  # prefix-cache chain keys of
   # the full blocks of all_ids computed so far (block_manager.py)
   num_offered: int = 0  # leading blocks of block_table already offered to the prefix cache

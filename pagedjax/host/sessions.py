@@ -2,15 +2,17 @@
 
 A request may name a session (SamplingParams.session_id; prefix caching on). When one of its
 turns finishes, the cached blocks of its block table (full blocks of its prompt and generated
-tokens, offered to the prefix cache as they filled) become that session's: a block shared by
-several sessions, such as a system prompt, belongs to the one that used it last. The next turn
+tokens, offered to the prefix cache as they filled) that no other sequence holds become that
+session's (a block shared with running sequences, such as a system prompt, keeps its own order;
+one shared only across time belongs to the session that used it last). The next turn
 resends the history, so its lookup matches them like any cached prefix.
 
 The prefix cache (prefix_cache.py) orders its evictable blocks by session before anything else,
 under its own eviction policy:
   lru  the session whose last turn ended longest ago goes first, all of its blocks one after
        another (deepest first: a finished turn releases its blocks tail first)
-  lfu  the session with the fewest turns goes first, least recently used among equals
+  lfu  the session with the fewest turns goes first, least recently used among equals (a block
+       hit more often than its session has turns counts its hits)
 A block of no session keeps its place by its own release time (lru) or hits (lfu), on the same
 clock, so sessions and other cached prefixes compete fairly.
 
