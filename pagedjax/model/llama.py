@@ -207,3 +207,55 @@ def forward_dense(cfg: ModelConfig, params, tokens):
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   logits, _ = Llama(cfg).apply(params, tokens, positions)
   return logits
+
+# ------------------------------------------------------------------------------------------------
+# One layer at a time (pagedjax/long_context.py): the same modules and the same params tree as
+# Llama, applied piece by piece, so a caller can run attention its own way between the pieces.
+# ------------------------------------------------------------------------------------------------
+def embed_tokens(cfg: ModelConfig, params, tokens):
+  """tokens [..., T] -> x [..., T, D] in the compute dtype, as Llama's first line."""
+  embed = nn.Embed(cfg.vocab_size, cfg.d_model)
+  return embed.apply({'params': params['params']['embed']}, tokens).astype(DTYPES[cfg.dtype])
+
+
+def layer_qkv(cfg: ModelConfig, lp, x, positions):
+  """lp: one decoder layer's params (params['params']['layers'] at one index); x [B, T, D],
+  positions [B, T] (-1 = padding) -> q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh]: attn_norm, the
+  projections and RoPE, as Attention computes them."""
+  dtype = DTYPES[cfg.dtype]
+  h = RMSNorm(cfg.norm_eps).apply({'params': lp['attn_norm']}, x)
+  b, t, _ = x.shape
+
+  def project(name, heads):
+    dense = nn.Dense(heads * cfg.head_dim, use_bias=cfg.qkv_bias, dtype=dtype)
+    return dense.apply({'params': lp['attn'][name]}, h).reshape(b, t, heads, cfg.head_dim)
+
+  q, k, v = (project('q_proj', cfg.num_heads), project('k_proj', cfg.num_kv_heads),
+             project('v_proj', cfg.num_kv_heads))
+  rope_positions = jnp.maximum(positions, 0)  # padded queries rotate as position 0
+  return rope(q, rope_positions, cfg.rope_theta), rope(k, rope_positions, cfg.rope_theta), v
+
+
+def layer_output(cfg: ModelConfig, lp, x, attn):
+  """The rest of a decoder layer after attention: attn [B, T, Hq, Dh] -> o_proj, residual,
+  mlp_norm, MLP, residual -> x [B, T, D]."""
+  dtype = DTYPES[cfg.dtype]
+  b, t, _ = x.shape
+  o_proj = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype)
+  x = x + o_proj.apply({'params': lp['attn']['o_proj']}, attn.reshape(b, t, -1))
+  h = RMSNorm(cfg.norm_eps).apply({'params': lp['mlp_norm']}, x)
+  return x + Mlp(cfg).apply({'params': lp['mlp']}, h)
+
+
+def final_logits(cfg: ModelConfig, params, x):
+  """x [..., D] after the last layer -> logits [..., V] float32: final_norm and the vocabulary
+  projection (tied or lm_head), as Llama's last lines."""
+  p = params['params']
+  x = RMSNorm(cfg.norm_eps).apply({'params': p['final_norm']}, x)
+  if cfg.tie_embeddings:
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model)
+    logits = embed.apply({'params': p['embed']}, x.astype(jnp.float32), method='attend')
+  else:
+    lm_head = nn.Dense(cfg.vocab_size, use_bias=False)
+    logits = lm_head.apply({'params': p['lm_head']}, x.astype(jnp.float32))
+  return logits.astype(jnp.float32)

@@ -1,0 +1,56 @@
+"""Contexts longer than the device pool (issue 13): SmolLM2-135M float32, a context 4x the pool.
+
+  python -m experiments.long_context --workdir=runs/long_context
+  python -m experiments.long_context --config=configs/long_context.py:tiny --workdir=/tmp/lc
+
+The device pool is `pool.num_blocks - 1` blocks of `pool.block_size` tokens (block 0 is the null
+block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + max_new_tokens =
+`long_context.context_multiple` x the pool (1024 tokens). experiments/long_context.py runs it
+  - through the normal engine with this pool: refused at submit (the RequestError is recorded);
+  - through the normal engine with a pool just big enough (all on the device): the reference
+    tokens and logits, and its tokens/s;
+  - through the long-context decoder (pagedjax/long_context.py) at every `points` entry
+    (window_blocks, chunk_blocks): the newest window_blocks on the device, older blocks in host
+    RAM streamed chunk_blocks at a time; (16, C) uses the same device KV memory as the refused
+    pool; a window of the whole context streams nothing (the layer-by-layer loop's own cost);
+  - by recompute: the whole context re-run without a cache every step (each layer's K/V live
+    only while that layer runs), for `recompute_tokens` tokens.
+`:tiny` runs the same pipeline on a small random Llama in seconds.
+"""
+import ml_collections
+
+from pagedjax.config import Config
+
+
+def get_config(arg=None):
+  config = Config().to_configdict()
+  config.model.source = 'smollm2'
+  config.model.dtype = 'float32'
+  config.attention.impl = 'auto'
+  config.pool.block_size = 16
+  config.pool.num_blocks = 17  # the device pool: 16 blocks of 16 tokens + the null block
+  config.engine.max_batch_size = 1
+  config.engine.prefill_chunk = 64
+  config.engine.max_seq_len = 2048
+  config.sampling.max_new_tokens = 32  # greedy (temperature 0)
+  config.long_context = ml_collections.ConfigDict(dict(
+      context_multiple=4,  # prompt + new tokens = this many times the pool's tokens
+      prompt_verse=0,  # the KJV verse the prompt's text starts at
+      prefill_chunk=64,  # prompt tokens per streamed step
+      # (window_blocks, chunk_blocks): the window sweep at chunk 8, the chunk sweep at the pool.
+      # A tuple, so the command line can override it: --config.long_context.points='((16, 8),)'
+      points=((64, 8), (32, 8), (16, 8), (8, 8), (4, 8), (16, 2), (16, 32)),
+      recompute_tokens=3,
+      repeats=2))  # timed runs of every point, in rounds (decode steps pooled: the median)
+  if arg == 'tiny':
+    config.model.source = 'random'  # RandomModelConfig's defaults: 2 layers, d_model 64
+    config.pool.num_blocks = 5  # 4 blocks of 16 = 64 tokens: the context is 256
+    config.engine.prefill_chunk = 32
+    config.sampling.max_new_tokens = 8
+    config.long_context.prefill_chunk = 32
+    config.long_context.points = ((16, 4), (4, 2), (2, 1))
+    config.long_context.recompute_tokens = 2
+    config.long_context.repeats = 1
+  elif arg:
+    raise ValueError(f'configs/long_context.py: unknown variant {arg!r}; allowed: tiny')
+  return config

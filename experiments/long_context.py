@@ -1,0 +1,353 @@
+"""Contexts longer than the device pool (issue 13): stream the oldest blocks from host RAM.
+
+  python -m experiments.long_context --workdir=runs/long_context
+  python -m experiments.long_context --config=configs/long_context.py:tiny --workdir=/tmp/lc
+
+One greedy request whose context (prompt + new tokens) is `context_multiple` x the device pool
+(configs/long_context.py), served four ways:
+  refused      the normal engine with that pool: RequestError at submit (its message recorded)
+  all_device   the normal engine with a pool just big enough (context_multiple x the memory):
+               the reference tokens and logits
+  streamed     the long-context decoder (pagedjax/long_context.py) at each (window, chunk) point:
+               window blocks on the device, older blocks in host RAM streamed in chunks every
+               step; its tokens must equal all_device's
+  recompute    no cache: each step re-runs the whole context through the model (one layer's K/V
+               alive at a time), its logits at the last position only
+Every timed figure is a warm run: the engine after a compiling pass, the decoder after a
+warm-up that compiled its shapes (a prompt just long enough to evict and stream), recompute
+after its one compile. Decode speed comes from per-step wall times: the fastest step (other
+work on a shared machine only adds time, so it is the best estimate of a step's own cost) and
+the median. Every point runs `repeats` times in rounds of alternating order, the engine timed
+before each round and after the last, so drifting load spreads over all rows. Compare rows of
+one run as ratios.
+
+Writes to WORKDIR:
+  results.jsonl, results.csv  one line per streamed point: window and chunk, bytes streamed per
+                              decode step (padding included) and the useful part, decode
+                              tokens/s, prefill seconds and bytes, device KV bytes, whether the
+                              tokens match all_device and the largest logit difference
+  long_context.png            decode tokens/s (fastest and median step) against MB streamed
+                              per step, with all_device and recompute as lines
+  summary.json                the rows, the baselines, the refusal message, the goal (tokens
+                              identical at context_multiple x the pool), config, versions, git
+"""
+import csv
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from experiments import cli
+from pagedjax import factory, run_info, text_data
+from pagedjax.config import Config, ConfigError
+from pagedjax.device.streamed_attention import LayerPrograms
+from pagedjax.host.intake import RequestError
+from pagedjax.long_context import LongContextDecoder, LongContextSettings
+from pagedjax.model.llama import Llama
+
+COLUMNS = ('window_blocks', 'chunk_blocks', 'window_tokens', 'context_over_window',
+           'host_blocks', 'mb_streamed_per_step', 'useful_mb_streamed_per_step',
+           'decode_tokens_per_s_best', 'decode_tokens_per_s', 'decode_ms_per_token_best',
+           'decode_ms_per_token', 'decode_ms_per_token_mean', 'streamed_gb_per_s', 'prefill_s',
+           'prefill_mb_streamed', 'device_kv_mb', 'tokens_match', 'max_abs_logit_diff',
+           'compilations')
+MB = 1e6
+
+
+# ------------------------------------------------------------------------------------------------
+# Settings
+# ------------------------------------------------------------------------------------------------
+def check(config):
+  """(typed engine Config, [LongContextSettings], context tokens) or ConfigError naming the
+  field, before anything loads."""
+  typed = Config.from_configdict(config)
+  lc = config.long_context
+  for name, least in (('context_multiple', 1), ('recompute_tokens', 1), ('repeats', 1),
+                      ('prompt_verse', 0)):
+    value = lc[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ConfigError(f'config.long_context.{name}={value!r} is not allowed: an integer '
+                        f'>= {least}')
+  pool_tokens = (typed.pool.num_blocks - 1) * typed.pool.block_size
+  context = lc.context_multiple * pool_tokens
+  new = typed.sampling.max_new_tokens
+  if new < 2:
+    raise ConfigError(f'config.sampling.max_new_tokens={new} is not allowed: at least 2 (the '
+                      'first token ends the prefill; decode steps are the ones after it)')
+  if new >= context or context > typed.engine.max_seq_len:
+    raise ConfigError(
+        f'config.long_context.context_multiple={lc.context_multiple} is not allowed with a pool '
+        f'of {pool_tokens} tokens: the context ({context}) must exceed sampling.max_new_tokens '
+        f'({new}) and be at most engine.max_seq_len={typed.engine.max_seq_len}')
+  if not lc.points:
+    raise ConfigError(f'config.long_context.points={lc.points!r} is not allowed: '
+                      '(window_blocks, chunk_blocks) pairs')
+  settings = []
+  for i, point in enumerate(lc.points):
+    try:
+      window, chunk = point
+      settings.append(LongContextSettings(typed.pool.block_size, window, chunk,
+                                          lc.prefill_chunk).validate())
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f'config.long_context.points[{i}]={point!r} is not allowed: '
+                        f'(window_blocks, chunk_blocks) with {e}') from None
+  return typed, settings, context
+
+
+def prompt_ids(tokenizer, length: int, verse: int) -> list:
+  """`length` tokens of KJV text from `verse` on."""
+  chars = 8 * length
+  while True:
+    ids = tokenizer.encode(text_data.passage(verse, chars))
+    if len(ids) >= length:
+      return ids[:length]
+    chars *= 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The four ways
+# ------------------------------------------------------------------------------------------------
+def refused(config, model_cfg, params, tokenizer, ids, sampling) -> str:
+  """The normal engine with the configured pool: what submit says."""
+  engine = factory.make_engine(config, model_cfg, params, tokenizer)
+  try:
+    engine.submit(ids, sampling)
+  except RequestError as e:
+    return str(e)
+  raise RuntimeError(f'the engine accepted a {len(ids)}-token prompt with a pool of '
+                     f'{config.pool.num_blocks} blocks: the study needs a pool it cannot fit')
+
+
+def decode_figures(step_seconds) -> dict:
+  """Decode speed from per-step times. On a shared machine other work only ever adds time, so
+  the fastest step is the best estimate of a step's own cost (`_best`); the median is what a
+  user of this machine saw (the mean and every step's time are kept too)."""
+  ms = 1e3 * np.asarray(step_seconds)
+  return {'decode_tokens_per_s_best': 1e3 / ms.min(), 'decode_tokens_per_s': 1e3 / np.median(ms),
+          'decode_ms_per_token_best': ms.min(), 'decode_ms_per_token': np.median(ms),
+          'decode_ms_per_token_mean': ms.mean(), 'decode_steps_timed': len(ms),
+          'step_ms': [round(float(t), 3) for t in ms]}
+
+
+def all_device_engine(config, model_cfg, params, tokenizer, context):
+  """The normal engine with a pool just big enough for the whole context."""
+  config = config.copy_and_resolve_references()
+  config.pool.num_blocks = -(-context // config.pool.block_size) + 1  # + the null block
+  return factory.make_engine(config, model_cfg, params, tokenizer, record_logits=True)
+
+
+def all_device(engine, passes: list) -> dict:
+  """The engine's reference tokens and logits, and its figures over its timed passes."""
+  steps = [t for p in passes for t in p['step_seconds']]
+  tokens = {tuple(p['tokens']) for p in passes}
+  if len(tokens) != 1:
+    raise RuntimeError(f'the all-device engine gave different tokens on its passes: {tokens}')
+  return {'tokens': passes[0]['tokens'], 'logits': passes[0]['logits'],
+          'num_blocks': engine.pool.num_blocks, 'kv_pool_mb': engine.pool.nbytes / MB,
+          'prefill_s': float(np.median([p['prefill_s'] for p in passes])),
+          **decode_figures(steps)}
+
+
+def timed_pass(engine, ids, sampling) -> dict:
+  """One request through the engine, step by step: the steps up to its first token are the
+  prefill, each later one a decode step."""
+  request = engine.submit(ids, sampling)
+  step_seconds, prefill_seconds, start = [], None, time.perf_counter()
+  while request not in engine.finished:
+    t0 = time.perf_counter()
+    engine.step()
+    if prefill_seconds is None:
+      if engine.running and engine.running[0].output_ids or request in engine.finished:
+        prefill_seconds = time.perf_counter() - start
+    else:
+      step_seconds.append(time.perf_counter() - t0)
+  done = engine.finished[request]
+  return {'tokens': done.output_ids, 'logits': np.stack(done.logits), 'prefill_s': prefill_seconds,
+          'step_seconds': step_seconds}
+
+
+def recompute(model_cfg, params, ids, num_tokens: int, context: int) -> dict:
+  """Greedy tokens by re-running the whole sequence each step, no cache: the tokens are padded
+  to the full context (one compilation; padding after the last real token cannot change it)."""
+  model = Llama(model_cfg)
+
+  @jax.jit
+  def next_token(params, tokens, last):
+    positions = jnp.arange(context, dtype=jnp.int32)[None]
+    logits, _ = model.apply(params, tokens, positions, logits_index=last)
+    return jnp.argmax(logits[0]).astype(jnp.int32)
+
+  tokens, out, seconds = np.zeros((1, context), np.int32), [], []
+  tokens[0, :len(ids)] = ids
+  next_token(params, tokens, np.int32([len(ids) - 1])).block_until_ready()  # compiles
+  for _ in range(num_tokens):
+    length = len(ids) + len(out)
+    start = time.perf_counter()
+    out.append(int(next_token(params, tokens, np.int32([length - 1]))))
+    seconds.append(time.perf_counter() - start)
+    tokens[0, length] = out[-1]
+  return {'tokens': out, 'padded_tokens': context, **decode_figures(seconds)}
+
+
+def warm_up(decoder: LongContextDecoder, ids, eos_id) -> None:
+  """Compiles a point's shapes: a prompt one token past the window evicts a block and streams
+  it in a prompt chunk, and its second token streams it in a decode step."""
+  s = decoder.settings
+  decoder.generate(ids[:s.window_blocks * s.block_size + 1], 2, eos_id)
+
+
+def streamed_row(decoder: LongContextDecoder, runs: list, reference: dict, context) -> dict:
+  """One (window, chunk) point's row from its timed runs (decode steps pooled)."""
+  s, first = decoder.settings, runs[0]
+  window_tokens = s.window_blocks * s.block_size
+  block_mb = 2 * decoder.cfg.num_layers * decoder.block_bytes / MB  # one block: K and V
+  steps = [t for r in runs for t in r.step_seconds]
+  logits = np.stack(first.logits)
+  n = min(len(logits), len(reference['logits']))
+  step_mb = np.mean(first.step_bytes_streamed) / MB
+  return {
+      'window_blocks': s.window_blocks, 'chunk_blocks': s.chunk_blocks,
+      'window_tokens': window_tokens, 'context_over_window': context / window_tokens,
+      'host_blocks': first.host_blocks, 'mb_streamed_per_step': step_mb,
+      'useful_mb_streamed_per_step': np.mean(first.step_host_blocks) * block_mb,
+      **decode_figures(steps),
+      'streamed_gb_per_s': step_mb / min(steps) / 1e3,  # over the whole fastest step
+      'prefill_s': float(np.median([r.prompt_seconds for r in runs])),
+      'prefill_mb_streamed': first.prompt_bytes_streamed / MB,
+      'device_kv_mb': (first.window_bytes + first.chunk_bytes) / MB,
+      'tokens_match': all(r.output_ids == reference['tokens'] for r in runs),
+      'max_abs_logit_diff': float(np.abs(logits[:n] - reference['logits'][:n]).max()),
+      'compilations': sum(r.compilations for r in runs), 'tokens': first.output_ids}
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------------
+def write_rows(rows: list, workdir: str) -> None:
+  with run_info.atomic_write(os.path.join(workdir, 'results.jsonl')) as f:
+    f.writelines(json.dumps(row) + '\n' for row in rows)
+  with run_info.atomic_write(os.path.join(workdir, 'results.csv'), newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction='ignore')
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot(rows: list, baselines: dict, title: str, workdir: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  mb = [r['mb_streamed_per_step'] for r in rows]
+  ax.scatter(mb, [r['decode_tokens_per_s_best'] for r in rows], label='fastest step')
+  ax.scatter(mb, [r['decode_tokens_per_s'] for r in rows], facecolors='none',
+             edgecolors='tab:blue', label='median step')
+  for r in rows:
+    ax.annotate(f"W={r['window_blocks']} C={r['chunk_blocks']}",
+                (r['mb_streamed_per_step'], r['decode_tokens_per_s_best']), fontsize=8,
+                textcoords='offset points', xytext=(4, 4))
+  for (name, figures), style in zip(baselines.items(), ('--', ':')):
+    value = figures['decode_tokens_per_s_best']
+    ax.axhline(value, linestyle=style, color='gray')
+    ax.annotate(f'{name} (fastest step)', (0, value), fontsize=8, textcoords='offset points',
+                xytext=(2, 3))
+  ax.legend(loc='upper right', fontsize=8)
+  ax.set_xlabel('MB of K/V streamed host -> device per decode step (padding included)')
+  ax.set_ylabel('decode tokens/s (greedy, batch 1)')
+  ax.set_ylim(bottom=0)
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'long_context.png'), dpi=100)
+  plt.close(fig)
+
+
+def sweep(model_cfg, params, points, ids, sampling, eos_id, engine, repeats: int):
+  """Every point `repeats` times, rounds in alternating order, the all-device engine timed
+  before each round and after the last (load on a shared machine drifts: interleaving spreads
+  it over all rows). Returns (the engine's timed passes, each point's runs)."""
+  programs = LayerPrograms(model_cfg)
+  layers = programs.cut_layers(params)
+  decoders = [LongContextDecoder(model_cfg, params, s, programs=programs, layers=layers)
+              for s in points]
+  for decoder in decoders:
+    warm_up(decoder, ids, eos_id)
+  passes, runs = [], [[] for _ in points]
+  for round_index in range(repeats):
+    passes.append(timed_pass(engine, ids, sampling))
+    order = range(len(points)) if round_index % 2 == 0 else reversed(range(len(points)))
+    for i in order:
+      r = decoders[i].generate(ids, sampling.max_new_tokens, eos_id, record_logits=True)
+      runs[i].append(r)
+      print(f'round {round_index}: W={points[i].window_blocks:3d} C={points[i].chunk_blocks:3d} '
+            f'{np.mean(r.step_bytes_streamed) / MB:7.2f} MB/step '
+            f'{1e3 * np.median(r.step_seconds):7.1f} ms/token', flush=True)
+  passes.append(timed_pass(engine, ids, sampling))
+  return passes, [(d, r) for d, r in zip(decoders, runs)]
+
+
+def study(config, workdir: str) -> dict:
+  typed, points, context = check(config)
+  load = {'start': os.getloadavg()}
+  model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
+  sampling, eos_id = typed.sampling, tokenizer.eos_id
+  ids = prompt_ids(tokenizer, context - sampling.max_new_tokens, config.long_context.prompt_verse)
+  refusal = refused(config, model_cfg, params, tokenizer, ids, sampling)
+  print(f'refused with the {typed.pool.num_blocks - 1}-block pool: {refusal}', flush=True)
+  engine = all_device_engine(config, model_cfg, params, tokenizer, context)
+  timed_pass(engine, ids, sampling)  # compiles
+  compiled = engine.num_compilations
+  passes, runs = sweep(model_cfg, params, points, ids, sampling, eos_id, engine,
+                       config.long_context.repeats)
+  if engine.num_compilations != compiled:
+    raise RuntimeError('the all-device engine compiled during its timed passes')
+  reference = all_device(engine, passes)
+  print(f"all_device ({reference['num_blocks'] - 1} blocks): "
+        f"{reference['decode_ms_per_token_best']:.1f} ms/token fastest, "
+        f"{reference['decode_ms_per_token']:.1f} median", flush=True)
+  rows = [streamed_row(decoder, point_runs, reference, context) for decoder, point_runs in runs]
+  slow = recompute(model_cfg, params, ids, config.long_context.recompute_tokens, context)
+  slow['tokens_match'] = slow['tokens'] == reference['tokens'][:len(slow['tokens'])]
+  print(f"recompute: {slow['decode_ms_per_token_best']:.1f} ms/token fastest", flush=True)
+  for r in rows:
+    print(f"W={r['window_blocks']:3d} C={r['chunk_blocks']:3d} "
+          f"{r['mb_streamed_per_step']:7.2f} MB/step {r['decode_ms_per_token_best']:7.1f} ms "
+          f"fastest {r['decode_ms_per_token']:7.1f} ms median match={r['tokens_match']} "
+          f"max|dlogit|={r['max_abs_logit_diff']:.2e}", flush=True)
+  pool_tokens = (typed.pool.num_blocks - 1) * typed.pool.block_size
+  at_pool = [r for r in rows if r['window_tokens'] == pool_tokens]
+  reference.pop('logits')
+  summary = {
+      'context_tokens': context, 'prompt_tokens': len(ids), 'pool_tokens': pool_tokens,
+      'kv_bytes_per_token': 2 * model_cfg.num_layers * model_cfg.num_kv_heads *
+                            model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize,
+      'refused': refusal, 'all_device': reference, 'recompute': slow, 'rows': rows,
+      'goal': {'tokens_identical_at_pool_window': bool(at_pool) and all(
+          r['tokens_match'] for r in at_pool),
+               'tokens_identical_everywhere': all(r['tokens_match'] for r in rows)},
+      'load_average': {**load, 'end': os.getloadavg()},
+      'config': config.to_dict(), **run_info.environment()}
+  write_rows(rows, workdir)
+  plot(rows, {'all_device': reference, 'recompute': slow},
+       f'{config.model.source}: {context}-token context, {pool_tokens}-token pool '
+       f'({jax.default_backend()})', workdir)
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  print(json.dumps(summary['goal']))
+  return summary
+
+
+def main(argv):
+  del argv
+  config = flags.FLAGS.config
+  check(config)  # before the workdir or any model
+  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
+  cli.check_model_path(Config.from_configdict(config))
+  with cli.lock_workdir(workdir, 'run'):
+    study(config, workdir)
+
+
+if __name__ == '__main__':
+  cli.define_flags('configs/long_context.py', 'Long-context config.', lock_config=False)
+  cli.run(main)
