@@ -99,3 +99,10 @@ def test_goodput_leaves_out_aborted_requests_and_preemptions_are_counted_per_req
   assert s['generated_tokens_per_s'] == 12 / 4 and s['goodput_tokens_per_s'] == 10 / 4
   assert s['preempted_requests'] == 2 and s['re_preempted_requests'] == 1
   assert s['max_preemptions_per_request'] == 2
+  # A request aborted before its first token counts in neither goodput nor the latencies.
+  m.record_finish(Completion(3, [1, 2], [], 'aborted', 3, arrival_time=1.0,
+                             first_token_time=None, finish_time=5.0))
+  s = m.summary()
+  assert s['goodput_tokens_per_s'] == 10 / 4 and s['finished_requests'] == 4
+  assert s['ttft_p50_s'] == 1.0 and s['normalized_latency_s'] == pytest.approx(
+      (4 / 6 + 4 / 4 + 4 / 2) / 3)

@@ -217,10 +217,12 @@ class Metrics:
       return out
     start = min(c.arrival_time for c in reqs)
     duration = max(c.finish_time for c in reqs) - start
-    ttft = [c.first_token_time - c.arrival_time for c in reqs]
+    # A request aborted before its first token has no TTFT, TPOT or per-token latency.
+    started = [c for c in reqs if c.first_token_time is not None and c.output_ids]
+    ttft = [c.first_token_time - c.arrival_time for c in started]
     tpot = [(c.finish_time - c.first_token_time) / (len(c.output_ids) - 1)
-            for c in reqs if len(c.output_ids) > 1]
-    norm = [(c.finish_time - c.arrival_time) / len(c.output_ids) for c in reqs]
+            for c in started if len(c.output_ids) > 1]
+    norm = [(c.finish_time - c.arrival_time) / len(c.output_ids) for c in started]
     # Goodput counts only requests that finished (an aborted one's tokens served nobody).
     good = sum(len(c.output_ids) for c in reqs if c.finish_reason != 'aborted')
     out.update(
@@ -230,5 +232,5 @@ class Metrics:
         requests_per_s=len(reqs) / duration if duration > 0 else None,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
         tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99),
-        normalized_latency_s=float(np.mean(norm)))
+        normalized_latency_s=float(np.mean(norm)) if norm else None)
     return out
