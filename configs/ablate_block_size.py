@@ -34,8 +34,8 @@ def get_config(arg=None):
   # One decode call of 8 sequences at 2048 tokens (the trace's longest) with the model's heads,
   # its attention and its inputs timed; a few seconds in all. :tiny: a short context, few rounds.
   config.block_overhead = ml_collections.ConfigDict(dict(
-      context=256 if arg == 'tiny' else 2048, batch=8, block_sizes=sizes,
-      rounds=5 if arg == 'tiny' else 30))
+      context=128 if arg == 'tiny' else 2048, batch=2 if arg == 'tiny' else 8,
+      block_sizes=sizes, rounds=2 if arg == 'tiny' else 30))
   config.plot = dict(
       x='pool.block_size', logx=True,
       y=[['kv_utilization', 'generated_tokens_per_s', 'mean_concurrent_sequences',
