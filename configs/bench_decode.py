@@ -6,7 +6,8 @@
 Per batch in `bench.batches`: the same token ids (real text, `bench.prompt_len` tokens each)
 through the engine and through HF `generate` (greedy, EOS ignored, `bench.output_len` new
 tokens), both warmed up, timed in interleaved rounds in one process, next to the step's matmuls
-alone (the matmul floor). Then a `bench.trace_requests`-request trace (prompt lengths spread
+alone (the matmul floor) and the same step written as plain unrolled JAX over a dense cache
+(experiments/plain_step.py). Then a `bench.trace_requests`-request trace (prompt lengths spread
 around prompt_len) through the engine and HF's continuous-batching `generate_batch`.
 
 `:tiny` is a small random Llama on both sides (the HF model built from the same weights) with
@@ -27,10 +28,15 @@ def get_config(arg=None):
       prompt_len=128,
       output_len=128,
       rounds=2,  # timed rounds after the warm-up; each round runs every variant once
-      floor_rounds=5,  # matmul-floor calls per batch per round (it is cheap)
+      floor_rounds=5,  # matmul-floor and plain-step calls per batch per round
       trace_requests=64,  # the continuous-batching trace; 0 skips it
       generate_batch=True,  # HF's generate_batch on the trace (if transformers has it)
-      hf=True,  # False: engine and floor only
+      hf=True,  # False: engine, floor and plain step only
+      # How the engine's decode calls run the layers (pagedjax/device/step.py DECODE_LAYERS):
+      # auto (the engine's default) = unrolled over per-layer views of the weights for decode
+      # calls of 16+ rows on one CPU device (no per-step weight copies; those programs compile
+      # 3-4x slower), scan = always under the layer scan, unrolled = every decode call.
+      decode_layers='auto',
       seed=0,
   ))
   if arg == 'tiny':

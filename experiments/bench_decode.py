@@ -12,9 +12,19 @@ token ids. Per batch B:
   - hf: the same prompts through model.generate (greedy, no EOS);
   - floor: the decode step's matmuls alone at batch B, jitted (q/k/v/o, gate/up/down of every
     layer + the output head, per-layer weights passed as separate arrays: no slicing, no
-    attention, no norms), timed like the step.
+    attention, no norms), timed like the step;
+  - plain: the same decode step written as plain unrolled JAX (experiments/plain_step.py: no
+    Flax, no paging, a dense contiguous KV cache) at batch B over prompt_len + output_len // 2
+    cached tokens (the engine's median decode context), timed like the floor. plain / floor is
+    what attention, norms and sampling cost when XLA compiles the step as simply as it can be
+    written; step / plain is what the engine's structure (paging, Flax, padding batch 1 to 8
+    rows) adds on top.
+The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
+'scan', or 'unrolled' over per-layer views of the weights; 'auto', the engine's default, unrolls
+decode calls of 16 rows and more on one CPU device).
 Everything is warmed up first (the engine compiles every shape it meets there), then `rounds`
-rounds each run engine, hf and floor once for every batch, in that order rotated per round.
+rounds each run engine, hf, floor and plain once for every batch, in that order rotated per
+round.
 Figures are medians over rounds. The engine's prefill tokens/s, decode step time and host
 seconds per step come from its per-iteration metrics (host/metrics.py: device_s and host_s).
 
@@ -35,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
+from experiments import plain_step
 from pagedjax import factory, run_info, text_data
 from pagedjax.config import Config, ConfigError
+from pagedjax.device.step import DECODE_LAYERS, CompiledStep
 from pagedjax.host.sampling_params import SamplingParams
 
 _PROFILE_DIR = flags.DEFINE_string(
@@ -269,6 +281,7 @@ def plot(path: str, rows) -> None:
   ax = axes[1]
   ax.plot(b, [1e3 * (r['decode_step_s'] or math.nan) for r in rows], marker='o',
           label='engine decode step')
+  ax.plot(b, [1e3 * r['plain_s'] for r in rows], marker='s', label='plain unrolled JAX step')
   ax.plot(b, [1e3 * r['floor_s'] for r in rows], marker='^', label='matmul floor')
   ax.set_xscale('log', base=2)
   ax.set_xlabel('batch')
@@ -296,8 +309,9 @@ def markdown_table(rows) -> str:
   """The README table."""
   f = lambda x, spec: '-' if x is None else format(x, spec)
   lines = ['| batch | engine tok/s | HF generate tok/s | engine / HF | prefill tok/s | '
-           'decode step ms | matmul floor ms | step / floor | host ms/step | agreement |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+           'decode step ms | plain step ms | matmul floor ms | step / floor | plain / floor | '
+           'step / plain | host ms/step | agreement |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     if r['kind'] != 'batch':
       continue
@@ -305,8 +319,10 @@ def markdown_table(rows) -> str:
     lines.append(
         f"| {r['batch']} | {r['engine_tokens_per_s']:.1f} | {f(r.get('hf_tokens_per_s'), '.1f')}"
         f" | {f(r.get('engine_over_hf'), '.2f')}x | {f(r['prefill_tokens_per_s'], '.0f')} | "
-        f"{f(step and 1e3 * step, '.1f')} | {1e3 * r['floor_s']:.1f} | "
-        f"{f(r['step_over_floor'], '.2f')} | {f(r['host_s_per_step'] and 1e3 * r['host_s_per_step'], '.2f')}"
+        f"{f(step and 1e3 * step, '.1f')} | {1e3 * r['plain_s']:.1f} | {1e3 * r['floor_s']:.1f} | "
+        f"{f(r['step_over_floor'], '.2f')} | {r['plain_over_floor']:.2f} | "
+        f"{f(r['step_over_plain'], '.2f')} | "
+        f"{f(r['host_s_per_step'] and 1e3 * r['host_s_per_step'], '.2f')}"
         f" | {f(r.get('token_agreement'), '.3f')} |")
   for r in rows:
     if r['kind'] == 'trace':
@@ -338,17 +354,26 @@ def main(argv):
     raise ConfigError(f'config.bench.prompt_len + output_len = '
                       f'{bench.prompt_len + bench.output_len} is not allowed: at most '
                       f'engine.max_seq_len={typed.engine.max_seq_len}')
+  if bench.decode_layers not in DECODE_LAYERS:
+    raise ConfigError(f'config.bench.decode_layers={bench.decode_layers!r} is not allowed: one '
+                      f'of {DECODE_LAYERS}')
+  if typed.mesh.model > 1:
+    raise ConfigError(f'config.mesh.model={typed.mesh.model} is not allowed: bench_decode runs '
+                      'on one device (1)')
   workdir = cli.prepare_workdir(flags.FLAGS.workdir)
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
-  engine = factory.make_engine(config, model_cfg, params, tokenizer)
+  step = CompiledStep(model_cfg, typed.attention.impl, decode_layers=bench.decode_layers)
+  engine = factory.make_engine(config, model_cfg, params, tokenizer, step_fn=step)
   use_hf = bool(bench.hf)
   hf = hf_model_from_params(model_cfg, params) if use_hf else None
   out_len = int(bench.output_len)
   prompts = make_prompts(tokenizer, batches[-1], [bench.prompt_len] * batches[-1],
                          model_cfg.vocab_size, bench.seed)
   floors = {b: matmul_floor_fn(model_cfg, params, b) for b in batches}
+  plain_context = int(bench.prompt_len) + out_len // 2  # the engine's median decode context
+  plains = {b: plain_step.timed_step_fn(model_cfg, params, b, plain_context) for b in batches}
   rounds = int(bench.rounds)
 
   jobs = []  # (name, batch, fn)
@@ -357,6 +382,7 @@ def main(argv):
     if use_hf:
       jobs.append(('hf', b, lambda b=b: hf_generate(hf, prompts[:b], out_len)))
     jobs.append(('floor', b, lambda b=b: time_calls(floors[b], int(bench.floor_rounds))))
+    jobs.append(('plain', b, lambda b=b: time_calls(plains[b], int(bench.floor_rounds))))
 
   results = {(name, b): [] for name, b, _ in jobs}
   outputs = {}
@@ -378,7 +404,7 @@ def main(argv):
         if r:
           results[(name, b)].append({'wall_s': wall})
       elif r:
-        results[(name, b)].append({'floor_s': out})
+        results[(name, b)].append({f'{name}_s': out})
       bar.update()
     if r == 0:
       compilations_warm = engine.num_compilations
@@ -397,8 +423,12 @@ def main(argv):
            'prefill_tokens_per_s': med(er, 'prefill_tokens_per_s'),
            'decode_step_s': med(er, 'decode_step_s'),
            'host_s_per_step': med(er, 'host_s_per_step'),
-           'floor_s': med(results[('floor', b)], 'floor_s')}
+           'floor_s': med(results[('floor', b)], 'floor_s'),
+           'plain_s': med(results[('plain', b)], 'plain_s')}
     row['step_over_floor'] = (row['decode_step_s'] / row['floor_s']
+                              if row['decode_step_s'] else None)
+    row['plain_over_floor'] = row['plain_s'] / row['floor_s']
+    row['step_over_plain'] = (row['decode_step_s'] / row['plain_s']
                               if row['decode_step_s'] else None)
     row['host_share_of_step'] = (row['host_s_per_step'] / row['decode_step_s']
                                  if row['decode_step_s'] else None)
@@ -424,7 +454,8 @@ def main(argv):
       'model': config.model.source if config.model.source != 'random' else 'random-tiny',
       'model_config': model_cfg.__dict__,
       'batches': batches, 'prompt_len': int(bench.prompt_len), 'output_len': out_len,
-      'rounds': rounds,
+      'rounds': rounds, 'plain_context': plain_context,
+      'decode_layers': step.decode_layers, 'unrolled_min_rows': step.unrolled_min_rows,
       'rows': rows,
       'num_compilations': engine.num_compilations,
       'num_compilations_after_warmup': compilations_timed,  # in the timed rounds: must be 0

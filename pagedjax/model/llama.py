@@ -24,11 +24,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+import numpy as np
 
 from pagedjax.device import pool as pool_lib
 from pagedjax.model import sharding
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+LAYER_LOOPS = ('scan', 'unrolled')  # Llama.layer_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +172,20 @@ class Llama(nn.Module):
 
   logits_index [B] (optional) picks one position per row, so prefill computes the vocabulary
   projection only where a token is sampled: logits are then [B, V], else [B, T, V].
+
+  layer_loop picks how the layers run (LAYER_LOOPS). 'scan': `nn.scan`, params under `layers`
+  with a leading [num_layers] axis (the params tree every loader and tool uses). 'unrolled': a
+  Python loop, params under `layer_0` ... `layer_{L-1}` without that axis (per_layer_params
+  makes them from the stacked tree). Same math, same order of operations, same results. Why
+  both: inside the scan XLA:CPU copies each layer's weights out of the stacked arrays on every
+  call (a dynamic-slice it does not fuse into the dot), the whole model's weights per decode
+  step; unrolled, every dot reads its own weight array in place. The scan compiles several
+  times faster, so it stays the default (prefill chunks, accelerators, the mesh path).
   """
   cfg: ModelConfig
   attention_impl: str = 'reference'
   mesh: Optional[Mesh] = None  # tensor-parallel mesh with axis 'model' (pagedjax/sharding.py)
+  layer_loop: str = 'scan'  # 'scan' | 'unrolled' (LAYER_LOOPS)
 
   @nn.compact
   def __call__(self, tokens, positions, pool=None, batch=None,
@@ -182,10 +194,17 @@ class Llama(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, name='embed',
                      embedding_init=nn.initializers.normal(0.02))
     x = embed(tokens).astype(DTYPES[cfg.dtype])
-    layers = nn.scan(DecoderLayer, variable_axes={'params': 0}, split_rngs={'params': True},
-                     in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers)
-    (x, pool, _), _ = layers(cfg, self.attention_impl, self.mesh, name='layers')(
-        (x, pool, jnp.int32(0)), positions, batch)
+    if self.layer_loop == 'scan':
+      layers = nn.scan(DecoderLayer, variable_axes={'params': 0}, split_rngs={'params': True},
+                       in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers)
+      (x, pool, _), _ = layers(cfg, self.attention_impl, self.mesh, name='layers')(
+          (x, pool, jnp.int32(0)), positions, batch)
+    elif self.layer_loop == 'unrolled':
+      for i in range(cfg.num_layers):
+        (x, pool, _), _ = DecoderLayer(cfg, self.attention_impl, self.mesh,
+                                       name=f'layer_{i}')((x, pool, jnp.int32(i)), positions, batch)
+    else:
+      raise ValueError(f'layer_loop={self.layer_loop!r} is not allowed: one of {LAYER_LOOPS}')
     x = RMSNorm(cfg.norm_eps, name='final_norm')(x)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
@@ -194,6 +213,34 @@ class Llama(nn.Module):
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, name='lm_head')(x.astype(jnp.float32))
     return logits.astype(jnp.float32), pool
+
+
+def per_layer_params(params):
+  """The stacked params tree (layer_loop='scan') as Llama(layer_loop='unrolled') takes it: the
+  `layers` subtree replaced by `layer_0` ... `layer_{L-1}`, each leaf without its leading
+  [num_layers] axis; every other leaf is the same array object.
+
+  Arrays on one CPU device are split without copying: each layer's leaf is a view of the
+  stacked buffer (a numpy view handed to XLA, which keeps it alive and aliases it, as it does any
+  host buffer it can), so the unrolled model costs no weight memory. Each view is committed to a
+  device exactly when its stacked array is: a committed leaf commits the step's outputs (the
+  pool), and a program fed a pool committed differently from before compiles again. Elsewhere
+  (accelerators, sharded arrays) each layer is sliced out on its device, a copy."""
+  p = dict(params['params'])
+  stacked = p.pop('layers')
+  num_layers = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+
+  def layer(x, i):
+    if isinstance(x, jax.Array) and len(x.devices()) == 1 and x.is_fully_addressable:
+      (device,) = x.devices()
+      if device.platform == 'cpu':
+        view = np.asarray(x)[i]
+        return jax.device_put(view, device) if x.committed else jax.device_put(view)
+    return x[i]
+
+  for i in range(num_layers):
+    p[f'layer_{i}'] = jax.tree_util.tree_map(lambda x, i=i: layer(x, i), stacked)
+  return {**params, 'params': p}
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
@@ -209,6 +256,7 @@ def forward_dense(cfg: ModelConfig, params, tokens):
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   logits, _ = Llama(cfg).apply(params, tokens, positions)
   return logits
+
 
 # ------------------------------------------------------------------------------------------------
 # One layer at a time (pagedjax/long_context.py): the same modules and the same params tree as
