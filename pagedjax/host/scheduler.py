@@ -266,14 +266,20 @@ class Scheduler:
   def _swap_blocks(self, unit: List[Sequence]) -> int:
     return sum(self.blocks.blocks_for(s.num_cached) for s in unit)
 
-  def _cost_s(self, unit: List[Sequence]) -> float:
-    """Seconds the cheapest allowed way of preempting unit costs (the cost model's)."""
-    recompute = self.cost.recompute_tokens_s(sum(s.num_cached for s in unit))
+  def _swaps(self, unit: List[Sequence]) -> bool:
+    """Whether preempting unit swaps it (the policy, the host tier's room and, for 'auto', the
+    cost model) rather than recomputing it."""
     n = self._swap_blocks(unit)
     if self.preemption == 'recompute' or not self.host.can_allocate(n):
-      return recompute
-    swap = self.cost.swap_s(n)
-    return swap if self.preemption == 'swap' else min(swap, recompute)
+      return False
+    return self.preemption == 'swap' or self.cost.swap_s(n) < self.cost.recompute_tokens_s(
+        sum(s.num_cached for s in unit))
+
+  def _cost_s(self, unit: List[Sequence]) -> float:
+    """Seconds preempting unit costs, as _preempt would do it (the cost model's figures)."""
+    if self._swaps(unit):
+      return self.cost.swap_s(self._swap_blocks(unit))
+    return self.cost.recompute_tokens_s(sum(s.num_cached for s in unit))
 
   def _victim(self) -> Sequence:
     """The running sequence the victim policy preempts next; never the oldest while others
@@ -295,10 +301,7 @@ class Scheduler:
     unit = self._unit(seq)
     # A group swaps only if the host tier holds all of it: half swapped, half waiting, its beams
     # could come back at different times.
-    n = self._swap_blocks(unit)
-    swap = self.preemption != 'recompute' and self.host.can_allocate(n)
-    if swap and self.preemption == 'auto':
-      swap = self.cost.swap_s(n) < self.cost.recompute_tokens_s(sum(s.num_cached for s in unit))
+    swap = self._swaps(unit)
     for member in unit:
       self._preempt_one(member, plan, swap)
 
