@@ -45,6 +45,12 @@ def _cpu_env(**extra):
   return dict(os.environ, JAX_PLATFORMS='cpu', **extra)
 
 
+def _without_device_count(flags):
+  """XLA_FLAGS less any device count (the test's own flags, such as tests/conftest.py's
+  optimization level, stay)."""
+  return ' '.join(f for f in flags.split() if 'xla_force_host_platform_device_count' not in f)
+
+
 def _config(tp):
   config = default.get_config('tiny')
   config.pool.block_size = 8
@@ -267,8 +273,7 @@ DECODE_FLAGS = ['--config=configs/default.py:tiny', '--config.mesh.model=4',
 def decode_on_four_fake_devices(tmp_path_factory):
   """The issue's command: mesh 4 on a one-device CPU (the run asks JAX for 4 CPU devices)."""
   workdir = tmp_path_factory.mktemp('decode_mesh4')
-  env = _cpu_env()
-  env.pop('XLA_FLAGS', None)
+  env = _cpu_env(XLA_FLAGS=_without_device_count(os.environ.get('XLA_FLAGS', '')))
   run = subprocess.run([sys.executable, '-m', 'experiments.decode', *DECODE_FLAGS,
                         f'--workdir={workdir}'], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600, check=False)
@@ -297,7 +302,8 @@ def test_decode_experiment_across_two_processes(tmp_path, decode_on_four_fake_de
   with socket.socket() as s:
     s.bind(('localhost', 0))
     port = s.getsockname()[1]
-  env = _cpu_env(XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  env = _cpu_env(XLA_FLAGS=_without_device_count(os.environ.get('XLA_FLAGS', '')) +
+                 ' --xla_force_host_platform_device_count=2')
   runs = [subprocess.Popen(
       [sys.executable, '-m', 'experiments.decode', *DECODE_FLAGS, f'--workdir={tmp_path}',
        '--distributed', f'--coordinator_address=localhost:{port}', '--num_processes=2',
