@@ -23,6 +23,9 @@ def get_config(arg=None):
   config.engine.max_batch_size = 64
   config.engine.max_seq_len = 512
   config.pool.num_blocks = 1100  # 64 sequences of 256 tokens at block_size 16, and spare
+  # Batch 1 is single-stream decoding: its lone row runs in 1-row calls, as HF's does, rather
+  # than padded to the engine's default 8 (pagedjax/config.py EngineConfig.decode_min_rows).
+  config.engine.decode_min_rows = 1
   config.bench = config_dict.ConfigDict(dict(
       batches=(1, 8, 32, 64),  # a tuple: --config.bench.batches="(1,8)" overrides it
       prompt_len=128,

@@ -160,12 +160,19 @@ class EngineConfig:
   max_batch_size: int = 8  # running sequences per iteration
   prefill_chunk: int = 64  # prompt tokens per row per prefill call
   max_seq_len: int = 1024  # prompt + output; capped by the model's own limit
+  # The smallest decode call (a power of two): fewer decode rows are padded up to it. 8 keeps
+  # compilations few (fewer rows only happen at a run's start and tail); 1 gives a lone
+  # sequence (single-stream, latency-bound decoding) its own programs of 1, 2 and 4 rows, which
+  # cost what one row costs rather than eight, at up to three more compilations.
+  decode_min_rows: int = 8
 
   def validate(self):
     if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
       _fail('engine.max_batch_size', self.max_batch_size, 'an integer >= 1')
     if not _is_power_of_two(self.prefill_chunk):
       _fail('engine.prefill_chunk', self.prefill_chunk, 'a power of two')
+    if not _is_power_of_two(self.decode_min_rows):
+      _fail('engine.decode_min_rows', self.decode_min_rows, 'a power of two')
     if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
       _fail('engine.max_seq_len', self.max_seq_len, 'an integer >= 2')
     # A chunk is a static [rows, chunk] shape of every prefill call: longer than any prompt can

@@ -73,7 +73,7 @@ class Engine:
         params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
         self.block_manager, vocab_size=model_cfg.vocab_size, max_batch_size=eng.max_batch_size,
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, tier=tier, timer=timer,
-        stats=self.stats)
+        stats=self.stats, decode_min_rows=eng.decode_min_rows)
     self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
     cost = None  # the cost model preemption weighs (host/tier_cost.py), measured on the device
     if sched.preemption == 'auto' or sched.victim == 'cost':

@@ -38,7 +38,8 @@ class PlanExecutor:
 
   def __init__(self, params, pool, step_fn, blocks: BlockManager, *, vocab_size: int,
                max_batch_size: int, prefill_chunk: int, max_seq_len: int,
-               tier: Optional[HostTier], timer: Callable[[], float], stats: collections.Counter):
+               tier: Optional[HostTier], timer: Callable[[], float], stats: collections.Counter,
+               decode_min_rows: int = 8):
     self.params, self.pool, self.step_fn = params, pool, step_fn
     self.blocks, self.tier = blocks, tier
     self.vocab_size = vocab_size
@@ -49,9 +50,11 @@ class PlanExecutor:
     # Up to twice the pool: one gather may read a block for a swap-out and for a demotion.
     self.transfer_buckets = power_of_two_buckets(max(2 * (num_blocks - 1), 1))
     self.batch_buckets = power_of_two_buckets(max_batch_size)
-    # Decode calls start at 8 rows: fewer rows only happen at a run's start and tail, and a
-    # padded decode row costs little next to a compilation.
-    self.decode_batch_buckets = power_of_two_buckets(max_batch_size, min(8, max_batch_size))
+    # Decode calls start at decode_min_rows (config.engine; 8 by default): fewer rows only
+    # happen at a run's start and tail, and a padded decode row costs little next to a
+    # compilation, unless a lone sequence decodes for long (then 1).
+    self.decode_batch_buckets = power_of_two_buckets(max_batch_size,
+                                                     min(decode_min_rows, max_batch_size))
     # Coarse buckets keep compilations few (each costs seconds on this CPU even for a tiny
     # model, and the shapes multiply): decode rows are 1 token; prompt chunks are padded to a
     # whole chunk (chunk calls are a small share of a serving run's calls, and each chunk

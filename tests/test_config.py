@@ -27,6 +27,7 @@ def test_default_and_tiny_configs_are_valid():
     ('engine.prefill_chunk', 100, r'engine.prefill_chunk=100 is not allowed: a power of two'),
     ('engine.prefill_chunk', 2**30, r'prefill_chunk=1073741824 is not allowed: a power of two at '
      r'most 1024'),
+    ('engine.decode_min_rows', 3, r'engine.decode_min_rows=3 is not allowed: a power of two'),
     ('sampling.max_new_tokens', 0, r'config.sampling.max_new_tokens=0 is not allowed'),
     ('sampling.top_p', 1.5, r'config.sampling.top_p=1.5 is not allowed'),
 ])

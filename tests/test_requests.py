@@ -56,3 +56,21 @@ def test_generation_stops_at_eos_and_max_seq_len():
   (e,) = short.generate(prompts([6], seed=4), SamplingParams(max_new_tokens=8))
   assert e.finish_reason == 'max_seq_len' and len(e.output_ids) == 4
 
+
+
+def test_decode_min_rows_1_gives_lone_sequences_one_row_calls():
+  """engine.decode_min_rows=1: decode calls pad to the next power of two of their real rows
+  (1, 2, 4), not to 8 (here max_batch_size=4: to 4), with the same tokens."""
+  want = make_engine().generate(prompts([9, 20, 5], seed=4), SamplingParams(max_new_tokens=6))
+  engine = make_engine(decode_min_rows=1)
+  calls, run_call = [], engine.executor.step_fn
+
+  def recording(params, pool, inputs):
+    if inputs.tokens.shape[1] == 1:  # decode: (padded rows, real rows)
+      calls.append((inputs.tokens.shape[0], int((inputs.positions[:, 0] >= 0).sum())))
+    return run_call(params, pool, inputs)
+  engine.executor.step_fn = recording
+  got = engine.generate(prompts([9, 20, 5], seed=4), SamplingParams(max_new_tokens=6))
+  assert [c.output_ids for c in got] == [c.output_ids for c in want]
+  assert all(padded == 1 << (real - 1).bit_length() for padded, real in calls), calls
+  assert {padded for padded, _ in calls} >= {1, 4}  # the 20-token prompt finishes last, alone
