@@ -30,6 +30,7 @@ def get_config(arg=None):
       batches=(1, 8, 32, 64),  # a tuple: --config.bench.batches="(1,8)" overrides it
       prompt_len=128,
       output_len=128,
+      warmup_output_len=8,  # new tokens in the warm-up round (same shapes, compiles everything)
       rounds=2,  # timed rounds after the warm-up; each round runs every variant once
       floor_rounds=5,  # matmul-floor and plain-step calls per batch per round
       trace_requests=64,  # the continuous-batching trace; 0 skips it
@@ -50,6 +51,7 @@ def get_config(arg=None):
     config.bench.batches = (2,)
     config.bench.prompt_len = 12
     config.bench.output_len = 6
+    config.bench.warmup_output_len = 3
     config.bench.rounds = 1
     config.bench.floor_rounds = 2
     config.bench.trace_requests = 2

@@ -18,11 +18,13 @@ token ids. Per batch B:
     cached tokens (the engine's median decode context), timed like the floor. plain / floor is
     what attention, norms and sampling cost when XLA compiles the step as simply as it can be
     written; step / plain is what the engine's structure (paging, Flax, padding batch 1 to 8
-    rows) adds on top.
+    rows unless engine.decode_min_rows says otherwise; this config says 1) adds on top.
 The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
 'scan', or 'unrolled' over per-layer views of the weights; 'auto', the engine's default, unrolls
 decode calls of 16 rows and more on one CPU device).
-Everything is warmed up first (the engine compiles every shape it meets there), then `rounds`
+Everything is warmed up first in a round of `warmup_output_len` new tokens (the engine compiles
+every shape it meets there; the timed rounds' compilations are reported and must be 0), then
+`rounds`
 rounds each run engine, hf, floor and plain once for every batch, in that order rotated per
 round.
 Figures are medians over rounds. The engine's prefill tokens/s, decode step time and host
@@ -380,12 +382,17 @@ def main(argv):
   rounds = int(bench.rounds)
 
   jobs = []  # (name, batch, fn)
+  # The warm-up round generates fewer tokens: it meets the same shapes (decode contexts stay in
+  # the first block-table bucket, >= 256 tokens) and halves the run; the timed rounds' count of
+  # compilations (0, reported) checks that.
+  warm_len = min(out_len, int(bench.warmup_output_len))
+  lens = lambda r: warm_len if r == 0 else out_len
   for b in batches:
-    jobs.append(('engine', b, lambda b=b: engine_run(engine, prompts[:b], out_len)))
+    jobs.append(('engine', b, lambda r, b=b: engine_run(engine, prompts[:b], lens(r))))
     if use_hf:
-      jobs.append(('hf', b, lambda b=b: hf_generate(hf, prompts[:b], out_len)))
-    jobs.append(('floor', b, lambda b=b: time_calls(floors[b], int(bench.floor_rounds))))
-    jobs.append(('plain', b, lambda b=b: time_calls(plains[b], int(bench.floor_rounds))))
+      jobs.append(('hf', b, lambda r, b=b: hf_generate(hf, prompts[:b], lens(r))))
+    jobs.append(('floor', b, lambda r, b=b: time_calls(floors[b], int(bench.floor_rounds))))
+    jobs.append(('plain', b, lambda r, b=b: time_calls(plains[b], int(bench.floor_rounds))))
 
   results = {(name, b): [] for name, b, _ in jobs}
   outputs = {}
@@ -395,7 +402,7 @@ def main(argv):
     for name, b, fn in jobs[shift:] + jobs[:shift]:
       bar.set_postfix_str(f'{"warm-up" if r == 0 else f"round {r}"}: {name} B={b}')
       t0 = time.perf_counter()
-      out = fn()
+      out = fn(r)
       wall = time.perf_counter() - t0
       if name == 'engine':
         wall, ids, figs = out
