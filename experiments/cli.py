@@ -24,7 +24,7 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections import config_flags
 
-from pagedjax.config import ConfigError
+from pagedjax.config import ConfigError, validate_config
 from pagedjax.host.intake import RequestError  # pagedjax.engine.RequestError is this class
 
 EXIT_USAGE = 2
@@ -136,6 +136,23 @@ def run(main) -> None:
     except USER_ERRORS as e:
       fail(str(e).replace('\n', ' '))
   app.run(guarded, flags_parser=parse_flags)
+
+
+def run_study(default_config: str, help_string: str, study, check=None) -> None:
+  """The whole `__main__` of a study: --config (default_config) and --workdir flags; the config
+  validated (and checked by `check(config)`, if given) before the workdir is made; then
+  study(config, workdir) under the workdir's lock, user errors reported as one line."""
+  define_flags(default_config, help_string, lock_config=False)
+
+  def main(argv):
+    del argv
+    config = validate_config(flags.FLAGS.config)
+    if check is not None:
+      check(config)
+    workdir = prepare_workdir(flags.FLAGS.workdir)
+    with lock_workdir(workdir, 'study'):
+      study(config, workdir)
+  run(main)
 
 
 def quiet_libraries(argv) -> None:

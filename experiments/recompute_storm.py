@@ -38,7 +38,6 @@ import json
 import os
 
 import numpy as np
-from absl import flags
 
 from experiments import cli
 from experiments import jobs
@@ -318,16 +317,6 @@ def study(config, workdir: str) -> dict:
   return summary
 
 
-def main(argv):
-  del argv
-  config = config_lib.validate_config(flags.FLAGS.config)
-  check_storm(config)
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'study'):
-    study(config, workdir)
-
-
 if __name__ == '__main__':
-  cli.define_flags('configs/recompute_storm.py', 'Recomputation storm config.',
-                   lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/recompute_storm.py', 'Recomputation storm config.', study,
+                check=check_storm)

@@ -36,7 +36,6 @@ import os
 import shutil
 
 import numpy as np
-from absl import flags
 
 from experiments import cli
 from experiments import jobs
@@ -286,14 +285,5 @@ def study(config, workdir: str) -> dict:
   return summary
 
 
-def main(argv):
-  del argv
-  config = config_lib.validate_config(flags.FLAGS.config)
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'study'):
-    study(config, workdir)
-
-
 if __name__ == '__main__':
-  cli.define_flags('configs/policy_table.py', 'Policy table config.', lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/policy_table.py', 'Policy table config.', study)

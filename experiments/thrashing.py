@@ -43,7 +43,6 @@ import os
 import time
 
 import numpy as np
-from absl import flags
 
 from experiments import cli
 from experiments import jobs
@@ -452,15 +451,5 @@ def study(config, workdir: str) -> dict:
   return summary
 
 
-def main(argv):
-  del argv
-  config = config_lib.validate_config(flags.FLAGS.config)
-  check(config)
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'study'):
-    study(config, workdir)
-
-
 if __name__ == '__main__':
-  cli.define_flags('configs/thrashing.py', 'Thrashing study config.', lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/thrashing.py', 'Thrashing study config.', study, check=check)
