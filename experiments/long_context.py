@@ -31,7 +31,6 @@ Writes to WORKDIR:
   summary.json                the rows, the baselines, the refusal message, the goal (tokens
                               identical at context_multiple x the pool), config, versions, git
 """
-import csv
 import json
 import os
 import time
@@ -230,10 +229,7 @@ def streamed_row(decoder: LongContextDecoder, runs: list, reference: dict, conte
 def write_rows(rows: list, workdir: str) -> None:
   with run_info.atomic_write(os.path.join(workdir, 'results.jsonl')) as f:
     f.writelines(json.dumps(row) + '\n' for row in rows)
-  with run_info.atomic_write(os.path.join(workdir, 'results.csv'), newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction='ignore')
-    writer.writeheader()
-    writer.writerows(rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows, COLUMNS)
 
 
 def plot(rows: list, baselines: dict, title: str, workdir: str) -> None:

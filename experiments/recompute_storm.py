@@ -219,20 +219,15 @@ def goal(config, rows: list) -> dict:
 
 
 def write_tables(rows: list, workdir: str) -> None:
-  with run_info.atomic_write(os.path.join(workdir, 'results.csv'), newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction='ignore')
-    writer.writeheader()
-    writer.writerows(rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows, COLUMNS)
   shown = ('row', 'ttft_p50_steady_s', 'ttft_p99_steady_s', 'ttft_p50_across_s',
            'ttft_p99_across_s', 'ttft_p99_ratio', 'hit_rate_steady',
            'min_windowed_hit_rate_after_switch', 'alerts_fired', 'alerts_fired_after_switch',
            'alerts_cleared', 'prompt_tokens_computed')
-  fmt = lambda v: '' if v is None else f'{v:.3g}' if isinstance(v, float) else str(v)
-  lines = ['| ' + ' | '.join(shown) + ' |', '|' + '---|' * len(shown)]
-  lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in shown) + ' |' for r in rows]
+  table = run_info.markdown_table(rows, shown)
   with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+    f.write(table + '\n')
+  print(table)
 
 
 def plot(rows: list, config, workdir: str) -> None:

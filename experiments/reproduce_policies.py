@@ -215,19 +215,14 @@ def goals(rows: list) -> dict:
 
 
 def write_tables(rows: list, workdir: str) -> None:
-  with run_info.atomic_write(os.path.join(workdir, 'results.csv'), newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction='ignore')
-    writer.writeheader()
-    writer.writerows(rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows, COLUMNS)
   shown = ('trace', 'policy', 'hit_rate', 'tier1_hit_rate', 'tier2_hit_rate', 'tier3_hit_rate',
            'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p99_s', 'generated_tokens_per_s',
            'tier2_promoted_bytes', 'tier3_promoted_bytes', 'tier3_demoted_bytes')
-  fmt = lambda v: '' if v is None else f'{v:.3g}' if isinstance(v, float) else str(v)
-  lines = ['| ' + ' | '.join(shown) + ' |', '|' + '---|' * len(shown)]
-  lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in shown) + ' |' for r in rows]
+  table = run_info.markdown_table(rows, shown)
   with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+    f.write(table + '\n')
+  print(table)
 
 
 def plot(rows: list, workdir: str) -> None:

@@ -35,7 +35,6 @@ compilation excluded, idle gaps jumped), here by default this process's CPU time
 (`thrashing.clock`): the machine is shared, and wall time would charge the engine for other
 processes' load. The load average is recorded with the results.
 """
-import csv
 import hashlib
 import json
 import math
@@ -309,7 +308,7 @@ def part_b(config, runs: Runs, top: dict, workdir: str) -> tuple:
              fig['recomputed_token_fraction'] <= c.goal_recomputed_fraction)
     out.append(dict(row=label['row'], rate=rate, goodput_vs_peak=ratio, meets_goal=meets,
                     **fig))
-    write_csv(os.path.join(workdir, 'requests', f'{label["row"]}.csv'), per_request,
+    run_info.write_csv(os.path.join(workdir, 'requests', f'{label["row"]}.csv'), per_request,
               list(per_request[0]))
   return out, cost
 
@@ -345,20 +344,6 @@ def goal(rows: list, top: dict, config) -> dict:
           'rows_meeting_goal': [r['row'] for r in meeting],
           'goodput_ratio_goal': c.goal_goodput_ratio,
           'recomputed_fraction_goal': c.goal_recomputed_fraction}
-
-
-def write_csv(path: str, rows: list, columns) -> None:
-  with run_info.atomic_write(path, newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction='ignore')
-    writer.writeheader()
-    writer.writerows(rows)
-
-
-def markdown(rows: list, columns) -> str:
-  fmt = lambda v: '' if v is None else f'{v:.3g}' if isinstance(v, float) else str(v)
-  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
-  lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in columns) + ' |' for r in rows]
-  return '\n'.join(lines)
 
 
 def setting(config) -> str:
@@ -428,13 +413,13 @@ def study(config, workdir: str) -> dict:
   print(f'Part B: mitigations at {config.thrashing.overload:g}x that rate', flush=True)
   rows, cost = part_b(config, runs, top, workdir)
   runs.log.close()
-  write_csv(os.path.join(workdir, 'sweep.csv'), sweep_rows, SWEEP_COLUMNS)
-  write_csv(os.path.join(workdir, 'mitigations.csv'), rows, ROW_COLUMNS + FIGURES)
+  run_info.write_csv(os.path.join(workdir, 'sweep.csv'), sweep_rows, SWEEP_COLUMNS)
+  run_info.write_csv(os.path.join(workdir, 'mitigations.csv'), rows, ROW_COLUMNS + FIGURES)
   outcome = goal(rows, top, config)
   table = (f'{setting(config)}\n\nPart A (unmitigated)\n\n'
-           f'{markdown(sweep_rows, SWEEP_COLUMNS)}\n\n'
+           f'{run_info.markdown_table(sweep_rows, SWEEP_COLUMNS)}\n\n'
            f'Part B ({config.thrashing.overload:g}x the peak rate)\n\n'
-           f'{markdown(rows, ROW_COLUMNS)}\n')
+           f'{run_info.markdown_table(rows, ROW_COLUMNS)}\n')
   with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
     f.write(table)
   print(table)

@@ -2,6 +2,7 @@
 and how it writes them: atomically, so an interrupted run leaves the previous file, never half
 of one."""
 import contextlib
+import csv
 import json
 import os
 import platform
@@ -89,3 +90,20 @@ def write_json(path: str, data: dict) -> None:
   with atomic_write(path) as f:
     json.dump(data, f, indent=2, default=str)
     f.write('\n')
+
+
+def write_csv(path: str, rows: list, columns) -> None:
+  """rows (dicts) as a CSV of `columns` (other keys left out), atomically."""
+  with atomic_write(path, newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction='ignore')
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def markdown_table(rows: list, columns) -> str:
+  """rows (dicts) as a markdown table of `columns`; floats to 3 significant digits, None
+  blank."""
+  fmt = lambda v: '' if v is None else f'{v:.3g}' if isinstance(v, float) else str(v)
+  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in columns) + ' |' for r in rows]
+  return '\n'.join(lines)
