@@ -48,12 +48,13 @@ def _model(config):
   return _MODELS[key]
 
 
-def make_engine(config) -> tuple:
+def make_engine(config, **engine_kwargs) -> tuple:
   """(engine, encode) for a validated config, built by the factory like every other run (pool
-  kind, scheduler, KV storage, mesh), sharing the model's compiled step on one device."""
+  kind, scheduler, KV storage, mesh), sharing the model's compiled step on one device.
+  engine_kwargs go to the Engine (e.g. timer, the clock a study replays on)."""
   cfg, params, encode, step = _model(config)
   shared = {'step_fn': step} if config.mesh.model == 1 else {}
-  return factory.make_engine(config, cfg, params, None, **shared), encode
+  return factory.make_engine(config, cfg, params, None, **shared, **engine_kwargs), encode
 
 
 def trace(config, workdir: str) -> dict:

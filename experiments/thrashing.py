@@ -48,7 +48,7 @@ from experiments import jobs
 from experiments import simulate
 from experiments import sweep
 from pagedjax import config as config_lib
-from pagedjax import factory, run_info, workloads
+from pagedjax import run_info, workloads
 from pagedjax.sim import hardware, simulated_device
 from pagedjax.host.sampling_params import SamplingParams
 
@@ -163,9 +163,7 @@ def make_engine(config, clock: str):
         simulate.model_shape(sim), hardware.get_hardware(sim.hardware),
         config_lib.Config.from_configdict(config), weight_dtype=sim.weight_dtype,
         activation_dtype=sim.activation_dtype, count_padding=sim.count_padding)
-  cfg, params, _, step = jobs._model(config)  # pylint: disable=protected-access
-  shared = {'step_fn': step} if config.mesh.model == 1 else {}
-  return factory.make_engine(config, cfg, params, None, timer=CLOCKS[clock], **shared)
+  return jobs.make_engine(config, timer=CLOCKS[clock])[0]
 
 
 def replay(config, requests, priority: dict, clock: str) -> tuple:
