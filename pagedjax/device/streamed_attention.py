@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kernels import contract
 from pagedjax.device import traces
@@ -134,11 +133,11 @@ class LayerPrograms:
     self.window_block = counted(lambda k, v, slot: (k[:, slot], v[:, slot]))
 
   def cut_layers(self, params) -> list:
-    """Every layer's own params on the device, cut once on the host: slicing the stacked weights
-    inside each layer's call would copy that layer's weights on every call."""
-    stacked = jax.tree_util.tree_map(np.asarray, params['params']['layers'])
-    return [jax.device_put(jax.tree_util.tree_map(lambda x, i=i: x[i], stacked))
-            for i in range(self.cfg.num_layers)]
+    """Every layer's own params, cut once (llama.per_layer_params: views of the stacked
+    buffers on one CPU device, no copy): slicing the stacked weights inside each layer's call
+    would copy that layer's weights on every call."""
+    split = llama.per_layer_params(params)['params']
+    return [split[f'layer_{i}'] for i in range(self.cfg.num_layers)]
 
   def _begin_layer(self, lp, x, inputs: StepInputs, window_k, window_v, layer):
     positions = inputs.positions
