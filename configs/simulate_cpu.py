@@ -42,7 +42,7 @@ def get_config(arg=None):
   config.table_columns = ['trace_requests', 'iterations', 'generated_tokens_per_s',
                           'ttft_p50_s', 'tpot_p50_s', 'preemptions']
   config.calibration = ml_collections.ConfigDict(dict(
-      rounds=6, validation_runs=3, fills=[0.5, 1.0], peak_rounds=5, copy_mb=256))
+      rounds=6, validation_runs=3, fills=[0.25, 0.5, 1.0], peak_rounds=5, copy_mb=256))
   if arg == 'tiny':
     config.model.source = 'random'
     config.model.random.update(dict(vocab_size=256, d_model=32, num_layers=1, num_heads=2,

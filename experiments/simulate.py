@@ -328,6 +328,14 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
   fitted, fit_report = calibrate.fit(shape, base, samples, kv_bytes_per_token=kv_bytes,
                                      block_size=typed.pool.block_size,
                                      weight_dtype=weight_dtype, activation_dtype=act_dtype)
+  # The profiled calls with the fit's prediction of each, for analysis offline.
+  sweep.write_csv(os.path.join(workdir, 'grid.csv'), [
+      {'kind': p['kind'], 'rows': p['shape'].rows, 'tokens_per_row': p['shape'].tokens_per_row,
+       'real_rows': int((p['shape'].context_lens > 0).sum()),
+       'q_lens': ' '.join(map(str, p['shape'].q_lens[p['shape'].context_lens > 0])),
+       'context_lens': ' '.join(map(str, p['shape'].context_lens[p['shape'].context_lens > 0])),
+       'measured_s': p['seconds'], 'predicted_s': p['seconds'] * (1 + e),
+       'repeat_mad': p['repeat_mad']} for p, e in zip(samples, fit_report['errors'])])
   profile_path = os.path.join(workdir, 'hardware_profile.json')
   hardware.save_profile(profile_path, fitted, {
       'model': shape.name, 'fit': {k: v for k, v in fit_report.items() if k != 'errors'},
@@ -345,9 +353,12 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
     it = calibrate.iteration_errors(backend.cost, run['iterations'])
     validations.append({
         'run': i, 'real_wall_s': run['wall_s'], 'load_average_after': run['load_average'],
-        'per_iteration': {k: v for k, v in it.items() if k not in ('predicted', 'measured')},
+        'per_iteration': {k: v for k, v in it.items()
+                          if k not in ('predicted', 'measured', 'records')},
+        'iterations_csv': os.path.join(workdir, f'iterations_run{i}.csv'),
         'end_to_end': calibrate.compare_runs(run['summary'], sim['summary']),
         'num_compilations': run['summary']['num_compilations']})
+    sweep.write_csv(validations[-1]['iterations_csv'], it['records'])
     plot_iterations(os.path.join(workdir, f'iterations_run{i}.png'), it, shape.name)
   noise = float(np.median([s['repeat_mad'] for s in samples]))
   # How far the real runs of one trace differ from each other: the floor under any error.
@@ -399,9 +410,9 @@ def print_validation(summary: dict) -> None:
       f'{k} {v:.1%}' for k, v in summary['real_runs_spread'].items()))
   for v in summary['validation']:
     pi = v['per_iteration']
-    print(f"run {v['run']}: per-iteration median |error| {pi['median_abs_error']:.1%} over "
-          f"{pi['iterations_compared']} iterations "
-          f"(device only {pi['device_median_abs_error']:.1%})")
+    print(f"run {v['run']}: per-iteration median |error| {pi['median_abs_error']:.1%}, mean "
+          f"signed error {pi['mean_signed_error']:+.1%} over {pi['iterations_compared']} "
+          f"iterations (device only {pi['device_median_abs_error']:.1%}); {v['iterations_csv']}")
     for key, e in v['end_to_end'].items():
       if e['error'] is not None:
         print(f"  {key:<28} measured {e['measured']:.4g}  simulated {e['simulated']:.4g}  "

@@ -1,6 +1,7 @@
 """The simulator (pagedjax/sim): cost model against hand-computed figures, presets with sources,
 the simulated device driving the same scheduler decisions as a real device given the same clock,
 calibration recovering known factors, and the experiment entry point."""
+import csv
 import dataclasses
 import json
 import math
@@ -15,6 +16,7 @@ from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
 from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.step_inputs import power_of_two_buckets
 from pagedjax.sim import calibrate, hardware
 from pagedjax.sim import simulated_device as sd
 from pagedjax.sim.cost_model import CostModel, StepShape, decode_step, prefill_step
@@ -82,6 +84,17 @@ def test_batch_max_walks_each_half_to_its_longest_context():
   pairs, reads = cost.attention_pairs_and_reads(step)
   # Halves (10, 40) and (5, 70): 2 rows x 48 slots (3 blocks) + 2 rows x 80 slots (5 blocks).
   assert reads == 2 * 48 + 2 * 80 and pairs == reads
+
+
+def test_chunk_overhead_is_charged_to_prompt_chunk_calls_only():
+  hw = UNIT.with_efficiency(step_overhead_s=1e-3, chunk_overhead_s=5e-3)
+  cost = small_cost(hw)
+  assert cost.step_costs(decode_step(4, 100, 8))['overhead'].time_s == pytest.approx(1e-3)
+  assert cost.step_costs(prefill_step([8, 8], 8))['overhead'].time_s == pytest.approx(6e-3)
+  # A profile written before the field existed loads with none.
+  d = hardware.to_dict(UNIT)
+  del d['efficiency']['chunk_overhead_s']
+  assert hardware.from_dict(d).efficiency.chunk_overhead_s == 0.0
 
 
 def test_memory_bound_decode_and_compute_bound_prefill_on_a100():
@@ -354,6 +367,36 @@ def test_fit_recovers_known_efficiencies():
   assert fitted.efficiency.step_overhead_s == pytest.approx(2e-3, rel=0.1)
 
 
+def test_host_profile_sees_every_batch_size():
+  """A step that takes no time leaves the engine clock still; at the trace's arrival times
+  every request would run alone. The profile submits them all at once instead."""
+  cfg, params, _ = tiny_models.tiny()
+  encode = lambda text: [b % tiny_models.VOCAB for b in workloads.byte_encode(text)]
+  trace = workloads.synthetic_trace(12, rate=0.5, seed=0, max_input_len=20, max_output_len=48,
+                                    calibrate=False, encode=encode)
+  make = lambda step: tiny_models.build_engine(cfg, params, step_fn=step, block_size=16,
+                                               num_blocks=64, max_batch_size=8)
+  host = calibrate.profile_host(make, trace)
+  assert len(host['rows_seen']) > 2 and max(host['rows_seen']) == 8
+
+
+def test_grid_keeps_each_call_once_and_covers_every_bucket():
+  """A fill that lands in a smaller bucket would repeat another point (and weigh it twice in
+  the fit); each call is profiled once, and every (kind, rows, width) bucket is there."""
+  buckets = power_of_two_buckets
+  executor = types.SimpleNamespace(block_size=16, batch_buckets=buckets(16),
+                                   decode_batch_buckets=buckets(16, 8), token_buckets=[1, 64],
+                                   table_width_buckets=buckets(32, 16))
+  points = calibrate.step_grid(executor, 256, 64, (0.25, 0.5, 1.0))
+  keys = [(p.kind, tuple(p.rows)) for p in points]
+  assert len(keys) == len(set(keys))
+  widths = lambda p: 16 if max(c for _, c in p.rows) <= 256 else 32
+  assert {('decode', len(p.rows), widths(p)) for p in points if p.kind == 'decode'} == {
+      ('decode', n, w) for n in (2, 4, 8, 16) for w in (16, 32)}
+  assert {('prefill', len(p.rows), widths(p)) for p in points if p.kind == 'prefill'} == {
+      ('prefill', n, w) for n in (1, 2, 4, 8, 16) for w in (16, 32)}
+
+
 def test_calibrate_and_validate_tiny(tmp_path):
   """--calibrate's whole pipeline on a tiny random model: profile, fit, profile file, real runs
   compared per iteration and end to end."""
@@ -369,6 +412,16 @@ def test_calibrate_and_validate_tiny(tmp_path):
   e2e = run['end_to_end']
   assert e2e['iterations']['measured'] > 0 and e2e['generated_tokens_per_s']['simulated'] > 0
   assert (tmp_path / 'hardware_profile.json').exists()
+  # The host profile's requests all arrive at once: here 4 requests in batches of 2 give one
+  # batch size only, so no per-row slope is fitted (it used to be an arbitrary half).
+  assert summary['host']['rows_seen'] == [2] and summary['host']['row_overhead_s'] == 0.0
+  rows = list(csv.DictReader(open(run['iterations_csv'])))
+  assert len(rows) == run['per_iteration']['iterations_compared'] + run['per_iteration'][
+      'iterations_skipped_compiling']
+  timed = [r for r in rows if r['compiled'] == 'False']
+  assert all(float(r['measured_s']) > 0 and float(r['predicted_s']) > 0 for r in timed)
+  assert all(r['decode_measured_s'] or r['prefill_measured_s'] for r in timed)
+  assert (tmp_path / 'grid.csv').read_text().startswith('kind,rows,tokens_per_row')
 
 
 def test_simulate_cli_tiny(tmp_path):

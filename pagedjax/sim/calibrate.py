@@ -9,15 +9,20 @@ simulator against a real engine run.
                   warm (every shape compiled first), rounds in shuffled order so that load
                   changes on a shared machine hit every point alike; the median per point
   profile_host    the host's own time per iteration (scheduler, bookkeeping, building inputs):
-                  the real engine with a step that computes nothing; least squares on rows
+                  the real engine with a step that computes nothing, every request arriving
+                  at once so that batches of every size occur; least squares on rows
   fit             least squares on log(predicted / measured) over the efficiency factors
   run_recorded    a real engine run on a trace, keeping each iteration's step shapes and time
   compare_runs    that run vs the cost model's prediction of each of its iterations (teacher
                   forced: same shapes) and vs a free simulation of the same trace (end to end)
 
 The CPU profile's attention model is 'batch_max' (kernels/xla.py walks each half of the batch
-to that half's longest context). Only `step_overhead_s` is fitted of the two fixed overheads:
-with one model, a per-call and a per-layer constant cannot be told apart.
+to that half's longest context). Of the fixed overheads, `step_overhead_s` (every call) and
+`chunk_overhead_s` (prompt-chunk calls only) are fitted: with one model, a per-call and a
+per-layer constant cannot be told apart. Why the second: with one shared constant the fit
+under-predicted 1-row 64-token chunks by 10% and so over-predicted the 8-row decode calls that
+make up most of a serving run by 7% (runs/sim_cpu, 2-core CPU), which showed as iterations
+predicted 7-19% slower than measured.
 """
 import dataclasses
 import math
@@ -38,7 +43,7 @@ from pagedjax.sim.cost_model import CostModel, StepShape
 from pagedjax.sim.hardware import Efficiency, Hardware
 
 FIT_FIELDS = ('matmul_flops', 'weight_bandwidth', 'attention_flops', 'kv_bandwidth',
-              'elementwise_bandwidth', 'step_overhead_s')
+              'elementwise_bandwidth', 'step_overhead_s', 'chunk_overhead_s')
 
 
 # ---- this machine's peaks -------------------------------------------------------------------
@@ -94,8 +99,10 @@ def step_grid(executor, max_num_batched_tokens: int, prefill_chunk: int,
               fills=(0.5, 1.0)) -> List[GridPoint]:
   """Calls covering every shape bucket of an engine's executor (executor.py's buckets):
   decode calls per (rows, table width) bucket, prompt-chunk calls per (rows, width) bucket, each
-  with half and all of its rows real, at the bucket's shortest and longest context and with
-  contexts spread over it (as a serving batch has)."""
+  with `fills` of its rows real, at the bucket's shortest and longest context and with
+  contexts spread over it (as a serving batch has). A fill that lands in a smaller bucket (half
+  of 2 rows is 1 row) repeats another point: each call is kept once, so that no shape weighs
+  more than another in the fit by accident (repeats made 1-row prompt chunks 12 of 64 points)."""
   bs = executor.block_size
   widths = executor.table_width_buckets
   points = []
@@ -113,7 +120,8 @@ def step_grid(executor, max_num_batched_tokens: int, prefill_chunk: int,
         q = min(prefill_chunk, max(1, max_num_batched_tokens // n))
         for end in (lo, hi):
           points.append(GridPoint('prefill', [(q, max(q, end))] * n))
-  return points
+  unique = {(p.kind, tuple(p.rows)): p for p in points}
+  return list(unique.values())
 
 
 def grid_inputs(point: GridPoint, executor, vocab_size: int, rng: np.random.Generator):
@@ -192,10 +200,15 @@ class NullStep:
 
 def profile_host(make_engine: Callable, trace) -> dict:
   """Host seconds per iteration against batch rows, from the real engine (make_engine(step_fn)
-  -> Engine) with a NullStep replaying `trace`: least squares for a + b * rows."""
+  -> Engine) with a NullStep replaying `trace`: least squares for a + b * rows.
+
+  Every request arrives at 0: a NullStep takes no time, so the engine clock would barely move
+  and at the trace's own arrival times every request would run alone (one row in every
+  iteration, and a and b could not be told apart). Arriving at once, the batch fills to the
+  engine's limit and drains, so every batch size is seen."""
   step = NullStep()
   engine = make_engine(step)
-  submit(engine, trace)
+  submit(engine, [dataclasses.replace(r, arrival_time=0.0) for r in trace])
   rows, host = [], []
   while engine.has_work():
     n_iter, n_calls = len(engine.metrics.steps['t']), len(step.rows)
@@ -203,10 +216,14 @@ def profile_host(make_engine: Callable, trace) -> dict:
     if len(engine.metrics.steps['t']) > n_iter:
       rows.append(sum(step.rows[n_calls:]))
       host.append(engine.metrics.steps['host_s'][-1])
-  a = np.stack([np.ones(len(rows)), np.asarray(rows, float)], axis=1)
-  (base, per_row), *_ = np.linalg.lstsq(a, np.asarray(host), rcond=None)
+  if len(set(rows)) > 1:
+    a = np.stack([np.ones(len(rows)), np.asarray(rows, float)], axis=1)
+    (base, per_row), *_ = np.linalg.lstsq(a, np.asarray(host), rcond=None)
+  else:  # one batch size only (a trace no larger than a batch): no slope to fit
+    base, per_row = float(np.mean(host)), 0.0
   return {'iteration_overhead_s': max(0.0, float(base)), 'row_overhead_s': max(0.0, float(per_row)),
-          'iterations': len(rows), 'median_host_s': float(np.median(host))}
+          'iterations': len(rows), 'median_host_s': float(np.median(host)),
+          'rows_seen': sorted(set(rows))}
 
 
 # ---- fitting --------------------------------------------------------------------------------
@@ -251,10 +268,12 @@ def fit(shape: sizing.ModelShape, hardware: Hardware, samples: Sequence[dict], *
 # ---- validation -----------------------------------------------------------------------------
 
 class RecordingStep:
-  """Wraps an engine's step to keep the StepShape of every call (nothing else changes)."""
+  """Wraps an engine's step to keep the StepShape and the wall time of every call. The call is
+  timed as the executor times it (to the sampled tokens on the host), which the executor does
+  right after anyway, so its own figure does not change."""
 
   def __init__(self, step):
-    self.step, self.shapes = step, []
+    self.step, self.shapes, self.seconds = step, [], []
     self.return_logits = step.return_logits
 
   @property
@@ -266,7 +285,11 @@ class RecordingStep:
 
   def __call__(self, params, pool, inputs):
     self.shapes.append(StepShape.from_inputs(inputs))
-    return self.step(params, pool, inputs)
+    t0 = time.perf_counter()
+    out = self.step(params, pool, inputs)
+    np.asarray(out[1])
+    self.seconds.append(time.perf_counter() - t0)
+    return out
 
 
 def submit(engine, trace) -> None:
@@ -289,34 +312,65 @@ def run_recorded(engine, trace) -> dict:
     engine.step()
     if len(engine.metrics.steps['t']) > n_iter:
       s = engine.metrics.steps
-      iterations.append({'shapes': rec.shapes[n_calls:], 'host_s': s['host_s'][-1],
-                         'device_s': s['device_s'][-1], 'compiled': s['compile_s'][-1] > 0})
+      iterations.append({'shapes': rec.shapes[n_calls:], 'call_s': rec.seconds[n_calls:],
+                         'host_s': s['host_s'][-1], 'device_s': s['device_s'][-1],
+                         'compiled': s['compile_s'][-1] > 0})
   return {'summary': engine.summary(), 'iterations': iterations,
           'wall_s': time.perf_counter() - t0}
 
 
-def iteration_errors(cost: CostModel, iterations: Sequence[dict]) -> dict:
-  """The cost model's prediction of each measured iteration (same shapes), relative error."""
-  pred, meas, dev_pred, dev_meas = [], [], [], []
-  for it in iterations:
-    if it['compiled']:
-      continue
+def iteration_records(cost: CostModel, iterations: Sequence[dict]) -> List[dict]:
+  """One flat row per measured iteration: measured and predicted seconds (host, device, total)
+  and per call (prefill chunks, decodes) its padded and real sizes, contexts, and measured and
+  predicted seconds; what iterations_run{i}.csv holds, for analysis offline."""
+  records = []
+  for i, it in enumerate(iterations):
     rows = sum(int((s.context_lens > 0).sum()) for s in it['shapes'])
-    device = sum(cost.step_time(s) for s in it['shapes'])
-    pred.append(cost.host_time(rows) + device)
-    meas.append(it['host_s'] + it['device_s'])
-    dev_pred.append(device)
-    dev_meas.append(it['device_s'])
-  err = np.asarray(pred) / np.asarray(meas) - 1
-  dev_err = np.asarray(dev_pred) / np.asarray(dev_meas) - 1
-  return {'iterations_compared': len(pred),
-          'iterations_skipped_compiling': sum(it['compiled'] for it in iterations),
+    calls = [cost.step_time(s) for s in it['shapes']]
+    rec = {'iteration': i, 'compiled': bool(it['compiled']), 'real_rows': rows,
+           'measured_s': it['host_s'] + it['device_s'], 'predicted_s': 0.0,
+           'measured_host_s': it['host_s'], 'predicted_host_s': cost.host_time(rows),
+           'measured_device_s': it['device_s'], 'predicted_device_s': sum(calls)}
+    rec['predicted_s'] = rec['predicted_host_s'] + rec['predicted_device_s']
+    measured_calls = it.get('call_s') or [None] * len(calls)
+    for kind in ('prefill', 'decode'):  # empty columns for a call the iteration did not make
+      rec.update({f'{kind}_{k}': '' for k in (
+          'rows', 'tokens_per_row', 'real_rows', 'real_tokens', 'max_context', 'measured_s',
+          'predicted_s', 'q_lens', 'context_lens')})
+    for shape, measured, predicted in zip(it['shapes'], measured_calls, calls):
+      kind = 'prefill' if shape.tokens_per_row > 1 else 'decode'
+      real = shape.context_lens > 0
+      rec.update({
+          f'{kind}_rows': shape.rows, f'{kind}_tokens_per_row': shape.tokens_per_row,
+          f'{kind}_real_rows': int(real.sum()), f'{kind}_real_tokens': int(shape.q_lens.sum()),
+          f'{kind}_max_context': int(shape.context_lens.max()),
+          f'{kind}_measured_s': '' if measured is None else measured,
+          f'{kind}_predicted_s': predicted,
+          f'{kind}_q_lens': ' '.join(map(str, shape.q_lens[real])),
+          f'{kind}_context_lens': ' '.join(map(str, shape.context_lens[real]))})
+    records.append(rec)
+  return records
+
+
+def iteration_errors(cost: CostModel, iterations: Sequence[dict]) -> dict:
+  """The cost model's prediction of each measured iteration (same shapes), relative error;
+  `records` holds every iteration's row (iteration_records), compiling ones included."""
+  records = iteration_records(cost, iterations)
+  timed = [r for r in records if not r['compiled']]
+  pred = np.asarray([r['predicted_s'] for r in timed])
+  meas = np.asarray([r['measured_s'] for r in timed])
+  err = pred / meas - 1
+  dev_err = (np.asarray([r['predicted_device_s'] for r in timed]) /
+             np.asarray([r['measured_device_s'] for r in timed]) - 1)
+  return {'iterations_compared': len(timed),
+          'iterations_skipped_compiling': len(records) - len(timed),
           'median_abs_error': float(np.median(np.abs(err))),
           'p90_abs_error': float(np.percentile(np.abs(err), 90)),
           'mean_signed_error': float(np.mean(err)),
           'device_median_abs_error': float(np.median(np.abs(dev_err))),
+          'device_mean_signed_error': float(np.mean(dev_err)),
           'measured_total_s': float(np.sum(meas)), 'predicted_total_s': float(np.sum(pred)),
-          'predicted': pred, 'measured': meas}
+          'predicted': pred.tolist(), 'measured': meas.tolist(), 'records': records}
 
 
 END_TO_END = ('generated_tokens_per_s', 'ttft_p50_s', 'tpot_p50_s', 'normalized_latency_s',

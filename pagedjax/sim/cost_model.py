@@ -20,7 +20,10 @@ tokens and the context attention reads. Per call, on ONE device of a tp-way spli
 
 plus, with tp > 1, two all-reduces of the activations per layer and an all-gather of the logits
 over the interconnect (ring: 2 (tp-1)/tp of the bytes each way; no overlap with compute assumed),
-plus fixed overheads per call and per layer. Host time between steps (the Python scheduler,
+plus fixed overheads per call and per layer, and one more per prompt-chunk call (calls with more
+than one query token per row; `chunk_overhead_s`: on the CPU its small-M matmuls fall short of
+the rate one matmul efficiency fits, and sharing one constant with decode calls biased those).
+Host time between steps (the Python scheduler,
 block bookkeeping) is `host_time`: per iteration plus per row. Block transfers: a swap moves
 blocks x block bytes per device over the host link; a copy-on-write copy reads and writes them
 in HBM. The efficiencies and overheads are the hardware's (hardware.py): fitted by --calibrate
@@ -183,7 +186,8 @@ class CostModel:
     costs['elementwise'] = self._roofline(
         0, tokens * L * self.elementwise_values * self.act_bytes, 1.0, e.elementwise_bandwidth)
     costs['collectives'] = OpCost(0, 0, 0.0, self.collective_time(step))
-    costs['overhead'] = OpCost(0, 0, 0.0, e.step_overhead_s + L * e.layer_overhead_s)
+    chunk = e.chunk_overhead_s if step.tokens_per_row > 1 else 0.0
+    costs['overhead'] = OpCost(0, 0, 0.0, e.step_overhead_s + chunk + L * e.layer_overhead_s)
     return costs
 
   def collective_time(self, step: StepShape) -> float:

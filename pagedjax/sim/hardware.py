@@ -41,6 +41,10 @@ class Efficiency:
   attention_flops, kv_bandwidth: paged attention (scores and weighted values; K/V reads).
   elementwise_bandwidth: norms, residual adds, RoPE, SwiGLU's product, the K/V write.
   step_overhead_s: per device call (launch, dispatch, the host reading the sampled ids back).
+  chunk_overhead_s: added per prompt-chunk call (more than one query token per row): what such
+    a program costs beyond the roofline of its work. On this CPU (fitted) a 64-token chunk's
+    small-M matmuls run well under the large-batch rate, and one shared per-call overhead
+    must then be too large for decode calls. 0 for the accelerator presets.
   layer_overhead_s: per layer per call (kernel launches or per-op overheads of a layer).
   iteration_overhead_s, row_overhead_s: host time per engine iteration and per batch row
     (scheduling, block bookkeeping, building the step's inputs): the Python between steps.
@@ -52,6 +56,7 @@ class Efficiency:
   kv_bandwidth: float = 0.6
   elementwise_bandwidth: float = 0.6
   step_overhead_s: float = 3e-4
+  chunk_overhead_s: float = 0.0
   layer_overhead_s: float = 0.0
   iteration_overhead_s: float = 1e-3
   row_overhead_s: float = 1e-5
