@@ -4,8 +4,18 @@ Why this shape (measured on the 2-core CPU, see experiments/bench_attention.py):
 - Gathering the whole block table to a dense [B, MB*bs, ...] cache first (the reference) costs
   3-9x attention over a contiguous cache, mostly in writing that fresh buffer. Here one loop
   step gathers a few consecutive logical blocks of every sequence (_TOKENS_PER_STEP tokens,
-  [B, C, Hkv, bs, D]), which stay in cache while they are used, and folds them into a running
-  (max, sum, accumulator) per query row.
+  straight into token order [B, Hkv, C*bs, D]: see _gather_tokens), which stay in cache while
+  they are used, and folds them into a running (max, sum, accumulator) per query row.
+- At short contexts this can still cost up to 3x attention over a contiguous cache, the more
+  so the busier the machine (SmolLM2 shapes, 30 layers of attention alone, 192-token contexts,
+  float32, interleaved in one process: 1.7x / 1.2x / 0.85x at batch 8 / 32 / 64 at load 1, up
+  to 2.9x / 2.3x / 1.3x at loads 2-6). Under load, about half of it is the gathers (XLA:CPU
+  emits them element by element: the same loop reading contiguous slices instead of gathering
+  took 0.5-0.6x the time, measured before _gather_tokens) and most of the rest the loop's fixed
+  cost per step. Gathering the whole bucketed table once and attending densely was no faster
+  at batch 8 and 2-4x slower from 16 on (the gathered buffer leaves the cache); 32 or 128
+  tokens per step, and keeping the gathered blocks [B, C, Hkv, bs, D] (no reordering), were
+  slower too.
 - The loop runs only as many steps as the longest visible context needs (a while loop with a
   traced trip count), so a bucketed block table with many padding entries costs nothing.
 - All query heads of a KV group (and, in chunked prefill, all T query tokens) are rows of one
@@ -32,6 +42,12 @@ from kernels import contract
 _DOT_ROWS = 16
 # Independent loops over slices of the batch (or of the context, for fewer sequences).
 _SEQ_SPLITS = 2
+# Decode splits the batch only when every loop gets at least this many sequences: a loop step's
+# fixed cost is paid once per loop, and over few rows it outweighs what separate loops gain.
+# Measured (SmolLM2 shapes, 30 layers of attention alone, 192-token contexts, against two loops,
+# interleaved in one process, four runs at loads 2-7): one loop took 0.77-0.94x the time at
+# batch 8 and 0.91-0.95x at 32, but 1.06x at 64 (load 2; the whole step at 64: 1.06x, load 5).
+_MIN_LOOP_ROWS = 32
 # Context tokens one loop step reads (rounded down to whole blocks, at least one block). At short
 # contexts a loop step's fixed cost dominates (measured, 2-core CPU, jax 0.10.2, SmolLM2 shapes,
 # batch 8, 192-token contexts: ~100 us per step, 10x the time its 16-token block takes to read),
@@ -70,11 +86,15 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   their partial softmax states are merged (contract.merge_split_states). `context_splits` forces
   the latter. Measured on the 2-core CPU with nothing else running: XLA already spreads one
   loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster than
-  one (within noise), so the split costs nothing and keeps each loop's trip count tight."""
+  one (within noise), so the split costs nothing and keeps each loop's trip count tight. Decode
+  batches of fewer than _SEQ_SPLITS * _MIN_LOOP_ROWS sequences run as one loop (with other jobs
+  on the machine, two loops of a few rows cost more than one)."""
   batch = q.shape[0]
   args = (k_blocks, v_blocks, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
-    bounds = [batch * i // _SEQ_SPLITS for i in range(_SEQ_SPLITS + 1)]
+    min_rows = _MIN_LOOP_ROWS if q.shape[1] == 1 else 1
+    loops = max(1, min(_SEQ_SPLITS, batch // min_rows))
+    bounds = [batch * i // loops for i in range(loops + 1)]
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
       _, l, acc = _attend(q[a:b], block_tables[a:b], context_lens[a:b], q_positions[a:b], *args)
@@ -110,16 +130,41 @@ def _as_bits(blocks):
   return blocks
 
 
-def _gather_block(bits, layer, block, dtype):
-  """Blocks `block` (any index shape, e.g. [B] or [B, C]) of every sequence, [..., Hkv, bs, D],
-  as float32 (`bits` from _as_bits, layer-stacked: the gather indexes the layer itself, so no
-  layer is ever sliced out)."""
-  x = bits[layer, block]
+def _widen(x, dtype):
+  """Gathered raw values (`bits` from _as_bits) of a `dtype` pool as float32."""
   if dtype == jnp.bfloat16:  # bfloat16 is the top half of a float32: shift, no convert
     return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
   if x.dtype != dtype:
     x = jax.lax.bitcast_convert_type(x, dtype)
   return x.astype(jnp.float32)
+
+
+def _gather_block(bits, layer, block, dtype):
+  """Blocks `block` (any index shape, e.g. [B] or [B, C]) of every sequence, [..., Hkv, bs, D],
+  as float32 (`bits` from _as_bits, layer-stacked: the gather indexes the layer itself, so no
+  layer is ever sliced out). experiments/bench_attention.py's contiguous loop reads with it."""
+  return _widen(bits[layer, block], dtype)
+
+
+def _gather_tokens(x, layer, block):
+  """Blocks `block` [B, C] of layer-stacked `x` [L, N, Hkv, bs, ...] straight into token order,
+  [B, Hkv, C*bs, ...], raw (not widened).
+
+  The pool is viewed (a free reshape) as one row per (layer, block, KV head) and the gather
+  picks row (layer * N + block) * Hkv + h for output [b, h, c]: its output is already in token
+  order. Gathering whole [Hkv, bs, D] blocks and then moving the KV-head axis in front costs
+  more: XLA:CPU fuses that transpose into the gather's loop. Measured with SmolLM2 shapes (30
+  layers of attention alone, 192-token contexts, float32, interleaved in one process), this
+  gather took 0.91 / 0.88 / 0.92x the block-gather form's time at batch 8 / 32 / 64 at load 2,
+  0.92 / 0.89 / 0.89x at load 3, 0.79-0.87x at load 6. The whole decode step, with this and
+  _MIN_LOOP_ROWS against neither, took 0.94x the time at batch 32 and 64 and 0.98-1.03x at 8
+  (load 1)."""
+  num_layers, num_blocks, num_kv_heads, block_size = x.shape[:4]
+  rows = x.reshape(num_layers * num_blocks * num_kv_heads, -1)
+  heads = jnp.arange(num_kv_heads, dtype=block.dtype)
+  index = (layer * num_blocks + block)[:, None, :] * num_kv_heads + heads[None, :, None]
+  out = rows[index]  # [B, Hkv, C, bs * ...]
+  return out.reshape(block.shape[0], num_kv_heads, block.shape[1] * block_size, *x.shape[4:])
 
 
 def _blocks_per_step(block_size: int, max_blocks: int) -> int:
@@ -159,10 +204,6 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
 
   k_bits, v_bits = _as_bits(k_blocks), _as_bits(v_blocks)
 
-  def to_tokens(x):  # [B, C, Hkv, bs, ...] -> [B, Hkv, C*bs, ...], token order kept
-    x = jnp.moveaxis(x, 2, 1)
-    return x.reshape(x.shape[0], x.shape[1], span, *x.shape[4:])
-
   def step(j, carry):
     m, l, acc = carry  # [B, Hkv, R], [B, Hkv, R], [B, Hkv, R, D]
     logical = j * per_step + jnp.arange(per_step)
@@ -171,13 +212,13 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
     visible = pos[None, None, None, :] < row_seen  # [B, 1, R, C*bs]
     in_context = (pos[None, :] < context_lens[:, None])[:, None, :, None]  # [B, 1, C*bs, 1]
 
-    k = to_tokens(_gather_block(k_bits, layer, block, k_blocks.dtype))  # [B, Hkv, C*bs, D]
+    k = _widen(_gather_tokens(k_bits, layer, block), k_blocks.dtype)  # [B, Hkv, C*bs, D]
     if use_dot:
       s = jnp.einsum('bhrd,bhsd->bhrs', qg, k)
     else:
       s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [B, Hkv, R, C*bs]
     if k_scales is not None:  # k = code * scale per token: scale the score columns
-      s = s * to_tokens(k_scales[layer, block]).astype(f32)[:, :, None, :]
+      s = s * _gather_tokens(k_scales, layer, block).astype(f32)[:, :, None, :]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 so exp() stays NaN-free.
@@ -186,11 +227,10 @@ def _attend(q, block_tables, context_lens, q_positions, k_blocks, v_blocks, k_sc
     alpha = jnp.exp(m - m_shift)
     l = l * alpha + jnp.sum(p, axis=-1)  # the denominator takes the unscaled probabilities
     if v_scales is not None:  # v = code * scale: fold it into p; `where` again, a scale may be NaN
-      p = jnp.where(visible, p * to_tokens(v_scales[layer, block]).astype(f32)[:, :, None, :],
+      p = jnp.where(visible, p * _gather_tokens(v_scales, layer, block).astype(f32)[:, :, None, :],
                     0.0)
 
-    v = jnp.where(in_context, to_tokens(_gather_block(v_bits, layer, block, v_blocks.dtype)),
-                  0.0)
+    v = jnp.where(in_context, _widen(_gather_tokens(v_bits, layer, block), v_blocks.dtype), 0.0)
     if use_dot:
       pv = jnp.einsum('bhrs,bhsd->bhrd', p, v)
     else:

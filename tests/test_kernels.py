@@ -587,6 +587,38 @@ def test_xla_inside_layer_scan_under_jit():
   np.testing.assert_allclose(np.asarray(step(args['q'])), want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize('batch', [31, 64])
+def test_xla_decode_batch_loops(batch):
+  """Decode batches below 2 * _MIN_LOOP_ROWS sequences run as one loop, larger ones as two
+  batch slices (each stopping at its own longest context): both against the oracle, lengths
+  mixed so the two slices' trip counts differ, small blocks and heads to stay quick."""
+  from kernels import xla  # pylint: disable=g-import-not-at-top
+  assert batch // xla._MIN_LOOP_ROWS in (0, 2)  # pylint: disable=protected-access
+  rng = np.random.default_rng(batch)
+  lengths = tuple(int(n) for n in rng.integers(0, 4 * 8 + 1, batch))
+  spec = Spec('loops', block_size=8, group=2, head_dim=16, num_kv_heads=1, max_blocks=4)
+  args = build(spec, batch, lengths=lengths)
+  assert_close(run('xla', args), oracle(args), jnp.float32)
+
+
+def test_xla_gathers_blocks_straight_into_token_order():
+  """The loop's gather (one row per (layer, block, KV head)) gives what gathering whole blocks
+  and moving the KV-head axis in front gives, for values [L, N, Hkv, bs, D] and per-token scales
+  [L, N, Hkv, bs], at a traced layer, with repeated and null-block entries."""
+  from kernels import xla  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  values = rng.standard_normal((3, 7, 2, 4, 5)).astype(np.float32)
+  scales = rng.standard_normal((3, 7, 2, 4)).astype(np.float16)
+  block = np.array([[4, 0, 6], [1, 1, 3]], np.int32)  # [B, C]
+  gather = jax.jit(xla._gather_tokens)  # pylint: disable=protected-access
+  for x in (values, scales):
+    got = gather(jnp.asarray(x), jnp.int32(2), jnp.asarray(block))
+    want = np.moveaxis(x[2][block], 2, 1)  # [B, Hkv, C, bs, ...]
+    want = want.reshape(2, 2, 3 * 4, *x.shape[4:])
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 # ------------------------------------------------------------------------------------------------
 # pallas_tpu against JAX's own TPU paged-attention kernel
 # ------------------------------------------------------------------------------------------------
