@@ -34,6 +34,7 @@ import numpy as np
 
 import kernels
 import kernels.xla
+from experiments import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
@@ -182,7 +183,7 @@ def git_revision():
 
 
 def main(argv):
-  del argv
+  cli.quiet_libraries(argv)  # results, not jax's backend-probing log lines
   os.makedirs(FLAGS.workdir, exist_ok=True)
   backend = jax.default_backend()
   contexts = [int(c) for c in FLAGS.contexts]
