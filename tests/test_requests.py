@@ -12,6 +12,8 @@ BAD = [
     ([1, -2], SamplingParams(), r'token ids \[-2\] out of vocabulary'),
     ([1, 2], SamplingParams(max_new_tokens=0), 'max_new_tokens=0 is not allowed'),
     ([1, 2], SamplingParams(temperature=-1.0), 'temperature=-1.0 is not allowed'),
+    ([1, 2], SamplingParams(temperature=1e39), r'temperature=1e\+39 is not allowed: a number in '
+                                               r'\[0, 3.402823e\+38\]'),
     (list(range(50)) * 11, SamplingParams(), 'prompt of 550 tokens: the maximum is 511'),
 ]
 

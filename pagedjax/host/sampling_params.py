@@ -40,7 +40,8 @@ class SamplingParams:
     what the step can carry: seeds (with the per-sample offsets seed + i) and top_k travel as
     int32."""
     _integer('max_new_tokens', self.max_new_tokens, 1, INT32_MAX, 'an integer >= 1')
-    _number('temperature', self.temperature, 'a finite number >= 0 (0 is greedy)')
+    _number('temperature', self.temperature, f'a number in [0, {FLOAT32_MAX:.7g}] (0 is greedy; '
+            'the step carries it as float32)', high=FLOAT32_MAX)
     _integer('top_k', self.top_k, 0, INT32_MAX, f'an integer in [0, {INT32_MAX}] (0 disables it)')
     _number('top_p', self.top_p, 'a number in (0, 1] (1 disables it)', low=0, closed_low=False,
             high=1)
@@ -66,6 +67,7 @@ class SamplingParams:
 
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 
 
 def _integer(name, value, low, high, allowed):
