@@ -480,6 +480,8 @@ def main(argv):
       'rounds': rounds, 'plain_context': plain_context,
       'decode_layers': step.decode_layers, 'unrolled_min_rows': step.unrolled_min_rows,
       'rows': rows,
+      # Every timed round's figures (rows hold their medians): how far rounds disagree.
+      'rounds_detail': {f'{name} B={b}': figures for (name, b), figures in results.items()},
       'num_compilations': engine.num_compilations,
       'num_compilations_after_warmup': compilations_timed,  # in the timed rounds: must be 0
       'profile_dir': profile,

@@ -88,6 +88,12 @@ def test_bench_decode_tiny(tmp_path):
     assert r['engine_tokens_per_s'] > 0 and r['hf_tokens_per_s'] > 0 and r['floor_s'] > 0
     assert r['decode_step_s'] > 0 and r['host_s_per_step'] >= 0
     assert r['step_over_floor'] == pytest.approx(r['decode_step_s'] / r['floor_s'])
+    # The bound: HF's time over the engine's if every decode step took the floor's time.
+    prefill_s = r['batch'] * summary['prompt_len'] / r['prefill_tokens_per_s']
+    assert r['engine_over_hf_if_step_at_floor'] == pytest.approx(
+        r['hf_s'] / (prefill_s + (summary['output_len'] - 1) * r['floor_s']))
+    assert [x['wall_s'] for x in summary['rounds_detail'][f"engine B={r['batch']}"]] == [
+        r['engine_s']]  # one timed round: its figure is the median
   trace = [r for r in summary['rows'] if r['kind'] == 'trace']
   assert len(trace) == 1 and trace[0]['requests'] == 2
   assert summary['num_compilations_after_warmup'] == 0  # the timed rounds compile nothing
