@@ -38,7 +38,7 @@ def get_config(arg=None):
       hf=True,  # False: engine, floor and plain step only
       # How the engine's decode calls run the layers (pagedjax/device/step.py DECODE_LAYERS):
       # auto (the engine's default) = unrolled over per-layer views of the weights for decode
-      # calls of 16+ rows on one CPU device (no per-step weight copies; those programs compile
+      # calls of 8+ rows on one CPU device (no per-step weight copies; those programs compile
       # 3-4x slower), scan = always under the layer scan, unrolled = every decode call.
       decode_layers='auto',
       seed=0,

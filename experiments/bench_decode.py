@@ -21,7 +21,7 @@ token ids. Per batch B:
     rows unless engine.decode_min_rows says otherwise; this config says 1) adds on top.
 The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
 'scan', or 'unrolled' over per-layer views of the weights; 'auto', the engine's default, unrolls
-decode calls of 16 rows and more on one CPU device).
+decode calls of 8 rows and more on one CPU device).
 Everything is warmed up first in a round of `warmup_output_len` new tokens (the engine compiles
 every shape it meets there; the timed rounds' compilations are reported and must be 0), then
 `rounds`

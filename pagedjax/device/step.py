@@ -20,9 +20,12 @@ same buffers on CPU, no copy), the dots read them in place. Measured on the 2-co
 (SmolLM2-135M float32, context 192, the decode step alone, interleaved rounds, wall time,
 unrolled / scan): with the machine to itself 1.11 / 1.06 / 0.97 at 8 rows, 1.02 / 0.91 at 16,
 0.93 / 0.94 at 32, 0.93 / 0.92 at 64; with other jobs running (load 3.6-4) 0.86 / 0.85 / 0.91 at
-8 / 32 / 64. With a core to spare the copies of a small batch overlap with its memory-bound dots;
-once the dots keep both cores busy (16 rows and up) the copies cost their full time. Hence
-'auto': unrolled from AUTO_UNROLLED_MIN_ROWS rows on one CPU device. The unrolled program takes
+8 / 32 / 64. With a core to spare the copies of a small batch can overlap with its memory-bound
+dots, but at 8 rows they do so only some of the time: over 4 rounds of 128 new tokens
+(experiments/bench_decode.py, batch 8, nothing else running) the scan's decode step took 63 /
+104 / 106 / 57 ms and the unrolled one 55 / 56 / 55 / 56 ms. Hence 'auto': unrolled from
+AUTO_UNROLLED_MIN_ROWS = 8 rows (every decode call at the engine's default decode_min_rows) on
+one CPU device. The unrolled program takes
 3-4x longer to compile (SmolLM2: 7.5-8 s of CPU against 2-2.6), and prefill chunks (where the
 copy is shared by many tokens) keep the scan. Each input shape still compiles exactly once, in
 one of the two programs, and both give the same logits bit for bit.
@@ -41,7 +44,7 @@ from pagedjax.device.sampling import sample
 
 
 DECODE_LAYERS = ('auto', 'scan', 'unrolled')  # CompiledStep(decode_layers=...)
-AUTO_UNROLLED_MIN_ROWS = 16  # 'auto': decode calls of this many rows and more run unrolled
+AUTO_UNROLLED_MIN_ROWS = 8  # 'auto': decode calls of this many rows and more run unrolled
 
 
 def unrolled_min_rows(decode_layers: str, mesh: Optional[Mesh]) -> Optional[int]:
