@@ -299,17 +299,6 @@ def plot(path: str, rows) -> None:
   plt.close(fig)
 
 
-def write_csv(path: str, rows) -> None:
-  import csv  # pylint: disable=g-import-not-at-top
-  columns = []
-  for row in rows:
-    columns += [k for k in row if k not in columns]
-  with run_info.atomic_write(path, newline='') as f:
-    writer = csv.DictWriter(f, columns)
-    writer.writeheader()
-    writer.writerows(rows)
-
-
 def markdown_table(rows) -> str:
   """The README table."""
   f = lambda x, spec: '-' if x is None else format(x, spec)
@@ -492,7 +481,7 @@ def main(argv):
       **run_info.environment(),
   }
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
-  write_csv(os.path.join(workdir, 'results.csv'), rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
   plot(os.path.join(workdir, 'bench_decode.png'), rows)
   print(summary['markdown_table'])
   print(f'\nwrote {workdir}/summary.json, results.csv, bench_decode.png '

@@ -234,19 +234,9 @@ def plot(path: str, rows, spec, title: str, thresholds=()) -> None:
   plt.close(fig)
 
 
-def markdown_table(rows, columns) -> str:
-  def fmt(v):
-    if isinstance(v, float):
-      return f'{v:.4g}'
-    return str(v)
-  lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
-  lines += ['| ' + ' | '.join(fmt(r.get(c)) for c in columns) + ' |' for r in rows]
-  return '\n'.join(lines)
-
-
 def run_study(config, workdir: str) -> dict:
   rows = run_points(config, workdir)
-  sweep.write_csv(os.path.join(workdir, 'results.csv'), rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
   study = config.get('study', '')
   thresholds = list(config.get('latency_thresholds', ()))
   figures = vllm_figures(rows, thresholds) if study == 'vllm' else {}
@@ -257,7 +247,7 @@ def run_study(config, workdir: str) -> dict:
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   if config.get('plot'):
     plot(os.path.join(workdir, 'plot.png'), rows, config.plot, title, thresholds)
-  table = markdown_table(rows, list(config.get('table_columns', ('point',))))
+  table = run_info.markdown_table(rows, list(config.get('table_columns', ('point',))), digits=4)
   with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
     f.write(f'{title} (simulated)\n\n{table}\n')
   print(f'{title} (simulated)\n{table}')
@@ -329,7 +319,7 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
                                      block_size=typed.pool.block_size,
                                      weight_dtype=weight_dtype, activation_dtype=act_dtype)
   # The profiled calls with the fit's prediction of each, for analysis offline.
-  sweep.write_csv(os.path.join(workdir, 'grid.csv'), [
+  run_info.write_csv(os.path.join(workdir, 'grid.csv'), [
       {'kind': p['kind'], 'rows': p['shape'].rows, 'tokens_per_row': p['shape'].tokens_per_row,
        'real_rows': int((p['shape'].context_lens > 0).sum()),
        'q_lens': ' '.join(map(str, p['shape'].q_lens[p['shape'].context_lens > 0])),
@@ -358,7 +348,7 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
         'iterations_csv': os.path.join(workdir, f'iterations_run{i}.csv'),
         'end_to_end': calibrate.compare_runs(run['summary'], sim['summary']),
         'num_compilations': run['summary']['num_compilations']})
-    sweep.write_csv(validations[-1]['iterations_csv'], it['records'])
+    run_info.write_csv(validations[-1]['iterations_csv'], it['records'])
     plot_iterations(os.path.join(workdir, f'iterations_run{i}.png'), it, shape.name)
   noise = float(np.median([s['repeat_mad'] for s in samples]))
   # How far the real runs of one trace differ from each other: the floor under any error.

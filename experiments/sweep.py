@@ -22,7 +22,6 @@ refused, naming it, instead of interleaving rows. Rows are appended flushed and 
 kill tore (or any line that is not a whole row) is dropped with one warning and its point run
 again. results.csv, summary.json and plot.png are replaced atomically.
 """
-import csv
 import hashlib
 import json
 import os
@@ -162,24 +161,13 @@ def run_sweep(config, workdir: str, job: Optional[Callable] = None) -> List[dict
       append_row(results, row)
       done[row['point']] = row
     rows = [done[point_key(p)] for p in points]
-    write_csv(os.path.join(workdir, 'results.csv'), rows)
+    run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
     if config.get('plot'):
       plot(os.path.join(workdir, 'plot.png'), rows, config.plot)
     run_info.write_json(os.path.join(workdir, 'summary.json'), {
         'job': config.get('job'), 'points': len(points), 'config_hash': digest, 'rows': rows,
         'config': config.to_dict(), **run_info.environment()})
   return rows
-
-
-def write_csv(path: str, rows: List[dict]) -> None:
-  """Scalar columns only, in first-seen order (timelines and lists stay in results.jsonl)."""
-  columns = []
-  for row in rows:
-    columns += [k for k, v in row.items() if k not in columns and not isinstance(v, (list, dict))]
-  with run_info.atomic_write(path, newline='') as f:
-    writer = csv.DictWriter(f, columns, extrasaction='ignore')
-    writer.writeheader()
-    writer.writerows(rows)
 
 
 def plot(path: str, rows: List[dict], spec) -> None:

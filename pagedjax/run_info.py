@@ -92,18 +92,24 @@ def write_json(path: str, data: dict) -> None:
     f.write('\n')
 
 
-def write_csv(path: str, rows: list, columns) -> None:
-  """rows (dicts) as a CSV of `columns` (other keys left out), atomically."""
+def write_csv(path: str, rows: list, columns=None) -> None:
+  """rows (dicts) as a CSV of `columns` (other keys left out), atomically. columns None: every
+  scalar key in first-seen order (lists and dicts, e.g. timelines, stay in the JSON files)."""
+  if columns is None:
+    columns = []
+    for row in rows:
+      columns += [k for k, v in row.items()
+                  if k not in columns and not isinstance(v, (list, dict))]
   with atomic_write(path, newline='') as f:
     writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction='ignore')
     writer.writeheader()
     writer.writerows(rows)
 
 
-def markdown_table(rows: list, columns) -> str:
-  """rows (dicts) as a markdown table of `columns`; floats to 3 significant digits, None
+def markdown_table(rows: list, columns, digits: int = 3) -> str:
+  """rows (dicts) as a markdown table of `columns`; floats to `digits` significant digits, None
   blank."""
-  fmt = lambda v: '' if v is None else f'{v:.3g}' if isinstance(v, float) else str(v)
+  fmt = lambda v: '' if v is None else f'{v:.{digits}g}' if isinstance(v, float) else str(v)
   lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
   lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in columns) + ' |' for r in rows]
   return '\n'.join(lines)

@@ -16,7 +16,7 @@ import pytest
 
 from configs import ablate_block_size, reproduce_memory as reproduce_config
 from experiments import block_overhead, cli, jobs, reproduce_memory, sweep
-from pagedjax import executor
+from pagedjax import executor, run_info
 from pagedjax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -200,9 +200,9 @@ def test_results_csv_is_replaced_atomically(tmp_path):
     def __str__(self):
       raise RuntimeError('killed mid-write')
   path = str(tmp_path / 'results.csv')
-  sweep.write_csv(path, [{'a': 1, 'b': 2}])
+  run_info.write_csv(path, [{'a': 1, 'b': 2}])
   with pytest.raises(RuntimeError):
-    sweep.write_csv(path, [{'a': 3, 'b': 4}, {'a': Unprintable(), 'b': 5}])
+    run_info.write_csv(path, [{'a': 3, 'b': 4}, {'a': Unprintable(), 'b': 5}])
   with open(path) as f:
     assert list(csv.DictReader(f)) == [{'a': '1', 'b': '2'}]
   assert os.listdir(tmp_path) == ['results.csv']
