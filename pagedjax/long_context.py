@@ -39,6 +39,7 @@ import numpy as np
 
 from pagedjax.device import traces
 from pagedjax.device.streamed_attention import LayerPrograms, StepInputs
+from pagedjax.host import intake
 from pagedjax.host.intake import RequestError
 from pagedjax.model.llama import ModelConfig
 
@@ -188,21 +189,14 @@ class LongContextDecoder:
 
   def check(self, prompt_ids: Sequence[int], max_new_tokens: int) -> List[int]:
     """The prompt as a list of ints, or RequestError naming what is wrong."""
-    ids = list(prompt_ids)
-    if not ids:
-      raise RequestError('empty prompt: a request needs at least one token')
-    bad = [t for t in ids if not isinstance(t, (int, np.integer)) or
-           not 0 <= t < self.cfg.vocab_size]
-    if bad:
-      raise RequestError(f'token ids {bad[:5]} out of vocabulary: allowed 0..'
-                         f'{self.cfg.vocab_size - 1}')
+    ids = intake.prompt_ids(prompt_ids, self.cfg.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) \
         or max_new_tokens < 1:
       raise RequestError(f'max_new_tokens={max_new_tokens!r} is not allowed: an integer >= 1')
     if len(ids) + max_new_tokens > self.cfg.max_seq_len:
       raise RequestError(f'{len(ids)} prompt + {max_new_tokens} new tokens exceed the model\'s '
                          f'max_seq_len={self.cfg.max_seq_len}')
-    return [int(t) for t in ids]
+    return ids
 
   def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                eos_id: Optional[int] = None, record_logits: bool = False) -> LongContextResult:

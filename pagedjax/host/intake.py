@@ -22,6 +22,18 @@ class RequestError(ValueError):
   """A request rejected at submission; the engine and its other requests are unaffected."""
 
 
+def prompt_ids(prompt: Seq[int], vocab_size: int) -> List[int]:
+  """A prompt's token ids as a list of ints, or RequestError naming what is wrong (empty, or ids
+  outside the vocabulary)."""
+  prompt = list(prompt)
+  if not prompt:
+    raise RequestError('empty prompt: a request needs at least one token')
+  bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+  if bad:
+    raise RequestError(f'token ids {bad[:5]} out of vocabulary: allowed 0..{vocab_size - 1}')
+  return [int(t) for t in prompt]
+
+
 class RequestIntake:
 
   def __init__(self, blocks: BlockManager, *, vocab_size: int, max_seq_len: int,
@@ -39,18 +51,11 @@ class RequestIntake:
       if self.tokenizer is None:
         raise RequestError('a text prompt needs an engine built with a tokenizer')
       prompt = self.tokenizer.encode(prompt)
-    prompt = list(prompt)
-    if not prompt:
-      raise RequestError('empty prompt: a request needs at least one token')
-    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or
-           not 0 <= t < self.vocab_size]
-    if bad:
-      raise RequestError(f'token ids {bad[:5]} out of vocabulary: allowed 0..'
-                         f'{self.vocab_size - 1}')
+    prompt = prompt_ids(prompt, self.vocab_size)
     if len(prompt) >= self.max_seq_len:
       raise RequestError(f'prompt of {len(prompt)} tokens: the maximum is '
                          f'{self.max_seq_len - 1} (max_seq_len {self.max_seq_len})')
-    return [int(t) for t in prompt]
+    return prompt
 
   def check(self, prompt: List[int], params: SamplingParams) -> None:
     """Raises RequestError unless the engine can serve this request."""
