@@ -38,7 +38,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 
 from experiments import cli
 from pagedjax import factory, run_info, text_data
@@ -334,16 +333,11 @@ def study(config, workdir: str) -> dict:
   return summary
 
 
-def main(argv):
-  del argv
-  config = flags.FLAGS.config
-  check(config)  # before the workdir or any model
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
+def check_run(config) -> None:
+  """check, and a gguf/safetensors model path that exists, before the workdir or any model."""
+  check(config)
   cli.check_model_path(Config.from_configdict(config))
-  with cli.lock_workdir(workdir, 'run'):
-    study(config, workdir)
 
 
 if __name__ == '__main__':
-  cli.define_flags('configs/long_context.py', 'Long-context config.', lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/long_context.py', 'Long-context config.', study, check=check_run)
