@@ -25,9 +25,8 @@ dots, but at 8 rows they do so only some of the time: over 4 rounds of 128 new t
 (experiments/bench_decode.py, batch 8, nothing else running) the scan's decode step took 63 /
 104 / 106 / 57 ms and the unrolled one 55 / 56 / 55 / 56 ms. Hence 'auto': unrolled from
 AUTO_UNROLLED_MIN_ROWS = 8 rows (every decode call at the engine's default decode_min_rows) on
-one CPU device. The unrolled program takes
-3-4x longer to compile (SmolLM2: 7.5-8 s of CPU against 2-2.6), and prefill chunks (where the
-copy is shared by many tokens) keep the scan. Each input shape still compiles exactly once, in
+one CPU device. The unrolled program takes 3-4x longer to compile (SmolLM2: 7.5-8 s of CPU
+against 2-2.6), and prefill chunks (where the copy is shared by many tokens) keep the scan. Each input shape still compiles exactly once, in
 one of the two programs, and both give the same logits bit for bit.
 """
 from typing import Optional

@@ -23,8 +23,7 @@ over the interconnect (ring: 2 (tp-1)/tp of the bytes each way; no overlap with 
 plus fixed overheads per call and per layer, and one more per prompt-chunk call (calls with more
 than one query token per row; `chunk_overhead_s`: on the CPU its small-M matmuls fall short of
 the rate one matmul efficiency fits, and sharing one constant with decode calls biased those).
-Host time between steps (the Python scheduler,
-block bookkeeping) is `host_time`: per iteration plus per row. Block transfers: a swap moves
+Host time between steps (the Python scheduler, block bookkeeping) is `host_time`: per iteration plus per row. Block transfers: a swap moves
 blocks x block bytes per device over the host link; a copy-on-write copy reads and writes them
 in HBM. The efficiencies and overheads are the hardware's (hardware.py): fitted by --calibrate
 on the machine that runs, assumed for the accelerator presets.
