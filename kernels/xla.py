@@ -35,19 +35,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import contract
+from kernels import contract, xla_loops
 
 # Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
 # than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.
 _DOT_ROWS = 16
-# Independent loops over slices of the batch (or of the context, for fewer sequences).
-_SEQ_SPLITS = 2
-# Decode splits the batch only when every loop gets at least this many sequences: a loop step's
-# fixed cost is paid once per loop, and over few rows it outweighs what separate loops gain.
-# Measured (SmolLM2 shapes, 30 layers of attention alone, 192-token contexts, against two loops,
-# interleaved in one process, four runs at loads 2-7): one loop took 0.77-0.94x the time at
-# batch 8 and 0.91-0.95x at 32, but 1.06x at 64 (load 2; the whole step at 64: 1.06x, load 5).
-_MIN_LOOP_ROWS = 32
+# Independent loops over slices of the batch (or of the context, for fewer sequences), and how
+# many rows a decode loop needs: kernels/xla_loops.py (the simulator's cost model reads it too).
+_SEQ_SPLITS = xla_loops.SEQ_SPLITS
 # Context tokens one loop step reads (rounded down to whole blocks, at least one block). At short
 # contexts a loop step's fixed cost dominates (measured, 2-core CPU, jax 0.10.2, SmolLM2 shapes,
 # batch 8, 192-token contexts: ~100 us per step, 10x the time its 16-token block takes to read),
@@ -87,14 +82,12 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   the latter. Measured on the 2-core CPU with nothing else running: XLA already spreads one
   loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster than
   one (within noise), so the split costs nothing and keeps each loop's trip count tight. Decode
-  batches of fewer than _SEQ_SPLITS * _MIN_LOOP_ROWS sequences run as one loop (with other jobs
+  batches of fewer than SEQ_SPLITS * MIN_LOOP_ROWS sequences run as one loop (with other jobs
   on the machine, two loops of a few rows cost more than one)."""
   batch = q.shape[0]
   args = (k_blocks, v_blocks, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
-    min_rows = _MIN_LOOP_ROWS if q.shape[1] == 1 else 1
-    loops = max(1, min(_SEQ_SPLITS, batch // min_rows))
-    bounds = [batch * i // loops for i in range(loops + 1)]
+    bounds = xla_loops.batch_bounds(batch, q.shape[1])
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
       _, l, acc = _attend(q[a:b], block_tables[a:b], context_lens[a:b], q_positions[a:b], *args)
@@ -157,7 +150,7 @@ def _gather_tokens(x, layer, block):
   layers of attention alone, 192-token contexts, float32, interleaved in one process), this
   gather took 0.91 / 0.88 / 0.92x the block-gather form's time at batch 8 / 32 / 64 at load 2,
   0.92 / 0.89 / 0.89x at load 3, 0.79-0.87x at load 6. The whole decode step, with this and
-  _MIN_LOOP_ROWS against neither, took 0.94x the time at batch 32 and 64 and 0.98-1.03x at 8
+  MIN_LOOP_ROWS against neither, took 0.94x the time at batch 32 and 64 and 0.98-1.03x at 8
   (load 1)."""
   num_layers, num_blocks, num_kv_heads, block_size = x.shape[:4]
   rows = x.reshape(num_layers * num_blocks * num_kv_heads, -1)

@@ -589,11 +589,11 @@ def test_xla_inside_layer_scan_under_jit():
 
 @pytest.mark.parametrize('batch', [31, 64])
 def test_xla_decode_batch_loops(batch):
-  """Decode batches below 2 * _MIN_LOOP_ROWS sequences run as one loop, larger ones as two
+  """Decode batches below 2 * MIN_LOOP_ROWS sequences run as one loop, larger ones as two
   batch slices (each stopping at its own longest context): both against the oracle, lengths
   mixed so the two slices' trip counts differ, small blocks and heads to stay quick."""
-  from kernels import xla  # pylint: disable=g-import-not-at-top
-  assert batch // xla._MIN_LOOP_ROWS in (0, 2)  # pylint: disable=protected-access
+  from kernels import xla_loops  # pylint: disable=g-import-not-at-top
+  assert len(xla_loops.batch_bounds(batch, 1)) - 1 == (1 if batch < 64 else 2)
   rng = np.random.default_rng(batch)
   lengths = tuple(int(n) for n in rng.integers(0, 4 * 8 + 1, batch))
   spec = Spec('loops', block_size=8, group=2, head_dim=16, num_kv_heads=1, max_blocks=4)

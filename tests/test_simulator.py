@@ -77,13 +77,22 @@ def test_prefill_chunk_pairs_are_causal():
   assert pairs == sum(24 + j + 1 for j in range(8)) and reads == 32
 
 
-def test_batch_max_walks_each_half_to_its_longest_context():
+def test_batch_max_walks_each_kernel_loop_to_its_longest_context():
+  """The spans kernels/xla.py walks (kernels/xla_loops.py): prompt chunks in two halves, decode
+  batches under 64 rows in one loop, 64 and more in two halves."""
   cpu = dataclasses.replace(UNIT, attention_reads='batch_max')
   cost = small_cost(cpu)
-  step = StepShape.from_rows([(1, 10), (1, 40), (1, 5), (1, 70)], 4, 1)
-  pairs, reads = cost.attention_pairs_and_reads(step)
-  # Halves (10, 40) and (5, 70): 2 rows x 48 slots (3 blocks) + 2 rows x 80 slots (5 blocks).
-  assert reads == 2 * 48 + 2 * 80 and pairs == reads
+  chunk = StepShape.from_rows([(2, 10), (2, 40), (2, 5), (2, 70)], 4, 2)
+  pairs, reads = cost.attention_pairs_and_reads(chunk)
+  # Halves (10, 40) and (5, 70): 2 rows x 48 slots (3 blocks) + 2 rows x 80 slots (5 blocks),
+  # each of a row's 2 query tokens scoring every slot.
+  assert reads == 2 * 48 + 2 * 80 and pairs == 2 * reads
+  decode = StepShape.from_rows([(1, 10), (1, 40), (1, 5), (1, 70)], 4, 1)
+  pairs, reads = cost.attention_pairs_and_reads(decode)
+  assert reads == 4 * 80 and pairs == reads  # one loop, to the longest context (5 blocks)
+  wide = StepShape.from_rows([(1, 10)] * 32 + [(1, 70)] * 32, 64, 1)
+  pairs, reads = cost.attention_pairs_and_reads(wide)
+  assert reads == 32 * 16 + 32 * 80 and pairs == reads  # two halves
 
 
 def test_chunk_overhead_is_charged_to_prompt_chunk_calls_only():

@@ -16,8 +16,8 @@ simulator against a real engine run.
   compare_runs    that run vs the cost model's prediction of each of its iterations (teacher
                   forced: same shapes) and vs a free simulation of the same trace (end to end)
 
-The CPU profile's attention model is 'batch_max' (kernels/xla.py walks each half of the batch
-to that half's longest context). Of the fixed overheads, `step_overhead_s` (every call) and
+The CPU profile's attention model is 'batch_max' (kernels/xla.py walks each of its batch
+loops to the loop's longest context; kernels/xla_loops.py). Of the fixed overheads, `step_overhead_s` (every call) and
 `chunk_overhead_s` (prompt-chunk calls only) are fitted: with one model, a per-call and a
 per-layer constant cannot be told apart. Why the second: with one shared constant the fit
 under-predicted 1-row 64-token chunks by 10% and so over-predicted the 8-row decode calls that

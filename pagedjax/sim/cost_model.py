@@ -23,14 +23,15 @@ over the interconnect (ring: 2 (tp-1)/tp of the bytes each way; no overlap with 
 plus fixed overheads per call and per layer, and one more per prompt-chunk call (calls with more
 than one query token per row; `chunk_overhead_s`: on the CPU its small-M matmuls fall short of
 the rate one matmul efficiency fits, and sharing one constant with decode calls biased those).
-Host time between steps (the Python scheduler, block bookkeeping) is `host_time`: per iteration plus per row. Block transfers: a swap moves
-blocks x block bytes per device over the host link; a copy-on-write copy reads and writes them
-in HBM. The efficiencies and overheads are the hardware's (hardware.py): fitted by --calibrate
+Host time between steps (the Python scheduler, block bookkeeping) is `host_time`: per
+iteration plus per row. Block transfers: a swap moves blocks x block bytes per device over the
+host link; a copy-on-write copy reads and writes them in HBM. The efficiencies and overheads are the hardware's (hardware.py): fitted by --calibrate
 on the machine that runs, assumed for the accelerator presets.
 
 Attention's pairs depend on the kernel: GPU/TPU kernels read each row's own context
-(`per_row`); this CPU's xla kernel walks each half of the batch to that half's longest context,
-every padded query row and padded row included (`batch_max`, kernels/xla.py).
+(`per_row`); this CPU's xla kernel walks each of its batch loops (kernels/xla_loops.py: two
+halves, or one loop for decode batches under 64 rows) to the loop's longest context, every
+padded query row and padded row included (`batch_max`).
 """
 import dataclasses
 import math
@@ -38,6 +39,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from kernels import xla_loops
 from pagedjax import sizing
 from pagedjax.sim.hardware import Hardware
 
@@ -145,15 +147,18 @@ class CostModel:
     if self.hw.attention_reads == 'per_row':
       # A chunk of q tokens ending at ctx: its j-th query sees ctx - q + 1 + j keys.
       return float((q * ctx - q * (q - 1) // 2).sum()), float(ctx.sum())
-    # batch_max: each half of the rows walks to its longest context, in whole blocks, every
-    # padded query token of every row in the half scoring every key it walks.
-    bs, halves = self.block_size, [ctx[:step.rows // 2], ctx[step.rows // 2:]]
+    # batch_max: each of the kernel's batch loops walks its rows to their longest context, in
+    # whole blocks, every padded query token of every row in the loop scoring every key it walks.
+    bs = self.block_size
+    bounds = (xla_loops.batch_bounds(step.rows, step.tokens_per_row)
+              if step.rows >= xla_loops.SEQ_SPLITS else [0, step.rows])
     pairs = reads = 0.0
-    for half in halves:
-      if len(half) and half.max() > 0:
-        span = -(-int(half.max()) // bs) * bs
-        pairs += len(half) * step.tokens_per_row * span
-        reads += len(half) * span
+    for a, b in zip(bounds[:-1], bounds[1:]):
+      rows = ctx[a:b]
+      if len(rows) and rows.max() > 0:
+        span = -(-int(rows.max()) // bs) * bs
+        pairs += len(rows) * step.tokens_per_row * span
+        reads += len(rows) * span
     return pairs, reads
 
   def tokens_and_rows(self, step: StepShape) -> Tuple[int, int]:
