@@ -24,9 +24,8 @@ The engine's decode calls run the layers as `bench.decode_layers` says (device/s
 decode calls of 8 rows and more on one CPU device).
 Everything is warmed up first in a round of `warmup_output_len` new tokens (the engine compiles
 every shape it meets there; the timed rounds' compilations are reported and must be 0), then
-`rounds`
-rounds each run engine, hf, floor and plain once for every batch, in that order rotated per
-round.
+`rounds` rounds each run engine, hf, floor and plain once for every batch, in that order rotated
+per round.
 Figures are medians over rounds. The engine's prefill tokens/s, decode step time and host
 seconds per step come from its per-iteration metrics (host/metrics.py: device_s and host_s).
 
