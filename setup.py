@@ -2,13 +2,15 @@
 
 Experiments run from the repo root as `python -m experiments.NAME`; configs live in configs/.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name='pagedjax',
     version='0.1.0',
     description='A readable JAX decode loop with a paged KV cache, for ablations',
-    packages=['pagedjax', 'pagedjax.host', 'pagedjax.device', 'pagedjax.model', 'kernels'],
+    # Every subpackage of the library and the kernels; tests, experiments and configs run from
+    # the repo and are not installed (tests/test_packaging.py builds a wheel and checks).
+    packages=find_packages(include=['pagedjax', 'pagedjax.*', 'kernels', 'kernels.*']),
     python_requires='>=3.11',
     install_requires=[line.strip() for line in open('requirements.txt')
                       if line.strip() and not line.startswith('#')],
