@@ -299,7 +299,7 @@ def plot(path: str, rows) -> None:
 
 
 def markdown_table(rows) -> str:
-  """The README table."""
+  """The table docs/decode_speed.md quotes."""
   f = lambda x, spec: '-' if x is None else format(x, spec)
   lines = ['| batch | engine tok/s | HF generate tok/s | engine / HF | prefill tok/s | '
            'decode step ms | plain step ms | matmul floor ms | step / floor | plain / floor | '

@@ -9,13 +9,14 @@ the second is timed for tokens_per_second (and must not compile again). Writes
 WORKDIR/summary.json.
 
 Tensor parallelism: `--config.mesh.model=4` splits the pool over KV heads and the weights over
-heads and MLP columns (pagedjax/sharding.py). On a CPU-only machine the run asks JAX for that many
-CPU devices before the backend starts, so it works on one physical CPU device; the summary gets
+heads and MLP columns (pagedjax/model/sharding.py). On a CPU-only machine the run asks JAX for that
+many CPU devices before the backend starts, so it works on one physical CPU device; the summary gets
 `mesh` and the per-device KV figures measured from the pool's shards.
 
-Several hosts (or processes): start the same command on every one with `--distributed` (see the
-README): jax.distributed.initialize joins them into one set of devices, the mesh spans them, and
-every process runs the same host logic on the same inputs; only process 0 writes summary.json.
+Several hosts (or processes): start the same command on every one with `--distributed` (see
+docs/tensor_parallel.md): jax.distributed.initialize joins them into one set of devices, the mesh
+spans them, and every process runs the same host logic on the same inputs; only process 0 writes
+summary.json.
 
 Before anything loads, the config is validated and the workdir created and checked writable;
 the prompts are checked against the engine (length, pool) once the tokenizer is there, before

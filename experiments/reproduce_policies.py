@@ -26,7 +26,7 @@ Goals (on the multi_turn trace, the device pool holding `device_share` of its wo
 Times are the engine clock: measured wall time of the engine's iterations, compilation
 excluded, on this CPU. The model (configs/policy_table.py) is sized so that prefill costs more
 than the Python host work around it; with a smaller one, the host work hides what a cache hit
-saves (see README).
+saves (see docs/kv_tiers.md).
 """
 import copy
 import csv

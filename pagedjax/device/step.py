@@ -8,26 +8,21 @@ ids (and, when asked for, the sampled rows' logits) come back to the host. A ste
 `return_topk=K` (`with_topk`, for beam search, beam.py) also returns each row's K best token ids
 and their log-probs: a separate program with a static K, so the default step is unchanged.
 
-With a mesh (tensor parallelism, pagedjax/sharding.py) the step is the same function: params and
-pool arrive sharded, and the returned pool is pinned to the pool's sharding so the donated buffers
-are reused in place and the next call sees the same input shardings (no copy, no recompile).
+With a mesh (tensor parallelism, pagedjax/model/sharding.py) the step is the same function:
+params and pool arrive sharded, and the returned pool is pinned to the pool's sharding so the
+donated buffers are reused in place and the next call sees the same input shardings (no copy, no recompile).
 
 Decode calls (one query token per row) can run the model's layers unrolled instead of under its
 layer scan (`decode_layers`, llama.py's `layer_loop`): inside the scan XLA:CPU copies every
 layer's weights out of the stacked arrays on every call, the whole model's weights per step
 (~370 MB for SmolLM2-135M float32); unrolled, with the params split per layer once (views of the
-same buffers on CPU, no copy), the dots read them in place. Measured on the 2-core CPU
-(SmolLM2-135M float32, context 192, the decode step alone, interleaved rounds, wall time,
-unrolled / scan): with the machine to itself 1.11 / 1.06 / 0.97 at 8 rows, 1.02 / 0.91 at 16,
-0.93 / 0.94 at 32, 0.93 / 0.92 at 64; with other jobs running (load 3.6-4) 0.86 / 0.85 / 0.91 at
-8 / 32 / 64. With a core to spare the copies of a small batch can overlap with its memory-bound
-dots, but at 8 rows they do so only some of the time: over 4 rounds of 128 new tokens
-(experiments/bench_decode.py, batch 8, nothing else running) the scan's decode step took 63 /
-104 / 106 / 57 ms and the unrolled one 55 / 56 / 55 / 56 ms. Hence 'auto': unrolled from
+same buffers on CPU, no copy), the dots read them in place. With a core to spare the copies of a
+small batch can overlap with its memory-bound dots, but from 8 rows they do so only some of the
+time (the measurements are in docs/decode_speed.md). Hence 'auto': unrolled from
 AUTO_UNROLLED_MIN_ROWS = 8 rows (every decode call at the engine's default decode_min_rows) on
-one CPU device. The unrolled program takes 3-4x longer to compile (SmolLM2: 7.5-8 s of CPU
-against 2-2.6), and prefill chunks (where the copy is shared by many tokens) keep the scan. Each input shape still compiles exactly once, in
-one of the two programs, and both give the same logits bit for bit.
+one CPU device. The unrolled program takes several times longer to compile, and prefill chunks
+(where the copy is shared by many tokens) keep the scan. Each input shape still compiles exactly
+once, in one of the two programs, and both give the same logits bit for bit.
 """
 from typing import Optional
 

@@ -1,7 +1,7 @@
 """The KV cache as managed working memory: the device pool (tier 1) over host RAM (tier 2) and
 disk (tier 3, disk_store.py), behind one prefix cache (prefix_cache.py or radix_cache.py).
 
-Vocabulary (DESIGN.md): *demote* = copy a block down a tier, *promote* = load it back up before
+Vocabulary: *demote* = copy a block down a tier, *promote* = load it back up before
 the step that needs it, *drop* = forget it (the lowest tier does). A block is named in every tier
 by its content key, the prefix cache's chain key (salt included), and each entry keeps the
 content the key was computed from, so a key collision is a miss, never another prefix's K/V.

@@ -13,7 +13,7 @@ Params tree (kernels are [in, out]):
   layers/mlp/{gate_proj [L, D, F], up_proj [L, D, F], down_proj [L, F, D]}/kernel
 RoPE uses the Hugging Face "rotate half" layout (first half of each head paired with the second).
 
-With a device mesh (`mesh`, see pagedjax/sharding.py) the K/V write and paged attention run per
+With a device mesh (`mesh`, see pagedjax/model/sharding.py) the K/V write and paged attention run per
 shard under shard_map, each device on its own query and KV heads; everything else is ordinary
 JAX that GSPMD partitions from the parameters' shardings. `mesh=None` is the single-device path.
 """
@@ -184,7 +184,7 @@ class Llama(nn.Module):
   """
   cfg: ModelConfig
   attention_impl: str = 'reference'
-  mesh: Optional[Mesh] = None  # tensor-parallel mesh with axis 'model' (pagedjax/sharding.py)
+  mesh: Optional[Mesh] = None  # tensor-parallel mesh with axis 'model' (pagedjax/model/sharding.py)
   layer_loop: str = 'scan'  # 'scan' | 'unrolled' (LAYER_LOOPS)
 
   @nn.compact

@@ -194,7 +194,7 @@ def param_spec(names, cfg, tp: int) -> P:
   if leaf == 'scale':  # RMSNorm
     return REPLICATED
   raise ValueError(f'no tensor-parallel rule for parameter {"/".join(names)}; add one to '
-                   'pagedjax/sharding.py:param_spec (replicate it with PartitionSpec())')
+                   'pagedjax/model/sharding.py:param_spec (replicate it with PartitionSpec())')
 
 
 def param_shardings(params, cfg, mesh: Mesh):
@@ -256,7 +256,7 @@ def empty_pool_like(pool, mesh: Mesh, num_kv_heads: int):
     if x.ndim < 3 or x.shape[2] != num_kv_heads:
       raise ValueError(f'pool array {jax.tree_util.keystr(path)} of shape {x.shape} does not '
                        f'hold the {num_kv_heads} KV heads on axis 2, which tensor parallelism '
-                       'splits; give it its own spec in pagedjax/sharding.py')
+                       'splits; give it its own spec in pagedjax/model/sharding.py')
   shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pool)
   zeros = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   return jax.jit(zeros, out_shardings=pool_sharding(mesh))()
