@@ -1,0 +1,85 @@
+"""A non-editable install holds the whole library: a wheel built from setup.py has every package
+under pagedjax/ and kernels/ (and none of tests/, experiments/, configs/), and the simulator
+imports from the installed tree alone.
+
+CI installs the repo editable, where a package setup.py forgot still imports (from the source
+tree), so this builds a real wheel: from a copy of the repo (setuptools writes build/ and
+*.egg-info beside setup.py), offline (`--no-index --no-build-isolation`: the venv's own
+setuptools), then installs it into a folder and imports from there in a fresh interpreter that
+neither sees the repo nor runs the venv's .pth files (the editable install's import hook would
+otherwise serve a missing subpackage from the source tree).
+"""
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOT_INSTALLED = ('tests', 'experiments', 'configs')
+# Outputs and environments that never belong in a build (see .gitignore).
+NOT_COPIED = ('.git', '.venv', 'runs', 'build', '*.egg-info', '__pycache__', '.hypothesis',
+              '.pytest_cache', '.cache', 'workdir*', '.whl')
+
+
+def source_packages():
+  """Every package of the library and the kernels: each folder holding an __init__.py."""
+  return sorted('.'.join(init.parent.relative_to(ROOT).parts)
+                for top in ('pagedjax', 'kernels') for init in (ROOT / top).rglob('__init__.py')
+                if '__pycache__' not in init.parts)
+
+
+def run(cmd, cwd, **kwargs):
+  done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, check=False,
+                        **kwargs)
+  assert done.returncode == 0, f'{cmd}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}'
+  return done.stdout
+
+
+@pytest.mark.slow
+def test_wheel_holds_every_package_and_the_simulator_imports_from_it(tmp_path):
+  packages = source_packages()
+  assert {'pagedjax', 'pagedjax.sim', 'kernels'} <= set(packages), packages
+  source = tmp_path / 'source'
+  shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_COPIED))
+  pip = [sys.executable, '-m', 'pip', '--disable-pip-version-check', '--no-input', '-q']
+  run(pip + ['wheel', '--no-deps', '--no-build-isolation', '--no-index',
+             '--wheel-dir', str(tmp_path / 'wheels'), str(source)], cwd=tmp_path)
+  (wheel,) = (tmp_path / 'wheels').glob('pagedjax-*.whl')
+
+  names = zipfile.ZipFile(wheel).namelist()
+  in_wheel = sorted(n[:-len('/__init__.py')].replace('/', '.') for n in names
+                    if n.endswith('/__init__.py'))
+  assert in_wheel == packages, f'wheel packages {in_wheel}, source packages {packages}'
+  for top in NOT_INSTALLED:
+    assert not any(n.startswith(top + '/') for n in names), f'{top}/ is in the wheel'
+  # Every module of the source tree is in the wheel, not only each package's __init__.
+  modules = sorted(str(p.relative_to(ROOT)) for top in ('pagedjax', 'kernels')
+                   for p in (ROOT / top).rglob('*.py') if '__pycache__' not in p.parts)
+  assert sorted(set(modules) - set(names)) == []
+
+  site = tmp_path / 'site'
+  run(pip + ['install', '--no-deps', '--no-index', '--target', str(site), str(wheel)],
+      cwd=tmp_path)
+  # -S: no site module, so no .pth files (the editable hook); -P: the cwd is not on sys.path.
+  # The venv's site-packages is appended by hand for numpy and the other dependencies.
+  probe = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {str(site)!r})
+      sys.path.append({sysconfig.get_paths()['purelib']!r})
+      sys.path.append({sysconfig.get_paths()['platlib']!r})
+      assert not any(p.rstrip('/') == {str(ROOT)!r} for p in sys.path), sys.path
+      import importlib
+      for name in {packages!r}:
+        module = importlib.import_module(name)
+        assert module.__file__.startswith({str(site)!r}), (name, module.__file__)
+      from pagedjax.sim import cost_model, hardware
+      assert cost_model.__file__.startswith({str(site)!r}), cost_model.__file__
+      print('ok', len({packages!r}))
+      """)
+  out = run([sys.executable, '-S', '-P', '-c', probe], cwd=tmp_path)
+  assert out.strip() == f'ok {len(packages)}'
