@@ -52,6 +52,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pagedjax.host import kv_events
 from pagedjax.host.disk_store import DiskRead, DiskStore
 from pagedjax.host.prefix_cache import content_bytes
 from pagedjax.host.tier_cost import CostModel
@@ -169,6 +170,9 @@ class KVTiers:
   def attach(self, cache) -> 'KVTiers':
     """Puts these tiers under a device prefix cache (CacheBase.lower)."""
     cache.lower, self.cache = self, cache
+    for tier in self._tiers():  # one event hub per engine, the cache's (kv_events.py)
+      index = self._index(tier)
+      index.events, index.medium = cache.events, kv_events.MEDIUM_OF_TIER[tier]
     return self
 
   def _tiers(self) -> List[int]:

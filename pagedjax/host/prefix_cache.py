@@ -42,6 +42,7 @@ import heapq
 import itertools
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
+from pagedjax.host import kv_events
 from pagedjax.host.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
@@ -115,6 +116,7 @@ class CacheBase:
     self._pins: Dict[int, int] = {}  # chain key -> pins holding it
     self._pinned_idle: set = set()  # cached blocks no sequence holds, kept by a pin
     self.sessions = None  # sessions.Sessions, when the engine keeps them
+    self.events = kv_events.KVEvents(block_size)  # what is stored and dropped (kv_events.py)
 
   @property
   def num_evictable(self) -> int:
@@ -185,6 +187,8 @@ class CacheBase:
 
   def _cached(self, block: int, key: int, content: Tuple) -> None:
     """A new entry: the lower tiers may copy it down now (write-through)."""
+    if self.events:  # someone listens (kv_events.py)
+      self.events.stored(kv_events.MEDIUM_GPU, key, content)
     if self.lower is not None:
       self.lower.cached(block, key, content)
 
@@ -248,6 +252,8 @@ class CacheBase:
       self.lower.evicted(block, *self.entry(block))
     if self.sessions is not None:
       self.sessions.forget(block)
+    if self.events:
+      self.events.removed(kv_events.MEDIUM_GPU, self.entry(block)[0])
     self._drop(block)
     self.evictions += 1
     return True

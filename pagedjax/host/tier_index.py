@@ -27,6 +27,7 @@ EVICTION_POLICIES = ('lru', 'lfu')
 
 
 class TierIndex:
+  events, medium = None, None  # kv_events.KVEvents and this tier's medium (KVTiers.attach)
 
   def __init__(self, capacity: int, eviction: str = 'lru'):
     if eviction not in EVICTION_POLICIES:
@@ -109,6 +110,8 @@ class TierIndex:
     self._hits[key] = 0
 
   def commit(self, key: int) -> None:
+    if self.events and key in self._pending:  # someone listens (kv_events.py)
+      self.events.stored(self.medium, key, self._content[key])
     self._pending.discard(key)
     self._queue(key)
 
@@ -126,6 +129,8 @@ class TierIndex:
     slot = self._slot.pop(key, None)
     if slot is None:
       return None
+    if self.events and key not in self._pending:  # a pending key was never announced
+      self.events.removed(self.medium, key)
     del self._key_at[slot], self._content[key], self._hits[key]
     self._priority.pop(key, None)
     self._pending.discard(key)
