@@ -4,14 +4,17 @@ The contract every path implements (shapes, masking, quantized blocks, layer-sta
 the helpers the wrappers share are in kernels/contract.py. Each path is one module holding its
 kernel and its wrapper `paged_attention_<impl>`:
   reference   gather to dense + masked softmax (the oracle)              kernels/reference.py
-  xla         blockwise online softmax in plain JAX: the fast CPU path   kernels/xla.py
+  xla         blockwise online softmax in plain JAX, any backend         kernels/xla.py
+  cpu         native C++ kernel through XLA's FFI: the fast CPU path     kernels/cpu.py
   pallas_tpu  Pallas/Mosaic TPU kernel; TPU, or TPU interpret mode       kernels/pallas_tpu.py
   pallas_gpu  Pallas GPU kernel, Triton lowering; GPU, or interpret=True kernels/pallas_gpu.py
   triton      @triton.jit kernel via jax_triton.triton_call; GPU only    kernels/triton.py
   auto        the best of the above for jax.default_backend()
+              (on CPU: `cpu` where its kernel builds, else `xla`)
 
 Modules are imported on first use, so importing `kernels` (the model does) does not pay for
-importing Pallas or Triton.
+importing Pallas or Triton; `cpu` compiles its C++ kernel (once per machine, cached) the first
+time `auto` or `impl='cpu'` asks for it on a CPU backend.
 """
 import importlib
 import importlib.util
@@ -22,27 +25,39 @@ import jax.numpy as jnp
 from kernels import contract
 
 # Concrete paths; `impl='auto'` (not listed) resolves to one of them, see best_impl().
-IMPLS = ('reference', 'xla', 'pallas_tpu', 'pallas_gpu', 'triton')
+IMPLS = ('reference', 'xla', 'cpu', 'pallas_tpu', 'pallas_gpu', 'triton')
 
 
 def best_impl(backend=None):
-  """The fastest path for a backend ('cpu', 'gpu', 'tpu'; default: jax.default_backend())."""
+  """The fastest path for a backend ('cpu', 'gpu', 'tpu'; default: jax.default_backend()).
+  On CPU that is the native kernel when it builds here (kernels/cpu.py), else `xla`."""
   backend = jax.default_backend() if backend is None else backend
   if backend == 'tpu':
     return 'pallas_tpu'
   if backend in ('gpu', 'cuda', 'rocm'):
     # The Pallas kernel needs no extra package; `triton` needs jax_triton installed.
     return 'pallas_gpu'
+  if backend == 'cpu' and cpu_kernel_available():
+    return 'cpu'
   return 'xla'
+
+
+def cpu_kernel_available():
+  """Whether the native CPU kernel builds (or is built) and loads here (kernels/cpu.py; the first
+  call may compile it)."""
+  return importlib.import_module('kernels.cpu').available()
 
 
 def runs_on(impl, backend=None):
   """Whether the engine can run `impl` un-interpreted on a backend (default: JAX's default):
-  the Pallas kernels need their own hardware, and `triton` also the jax_triton package."""
+  the Pallas kernels need their own hardware, `triton` also the jax_triton package, and `cpu`
+  the CPU backend and a kernel that builds."""
   backend = jax.default_backend() if backend is None else backend
   gpu = backend in ('gpu', 'cuda', 'rocm')
   if impl in ('auto', 'reference', 'xla'):
     return True
+  if impl == 'cpu':
+    return backend == 'cpu' and cpu_kernel_available()
   if impl == 'pallas_tpu':
     return backend == 'tpu'
   if impl == 'triton':

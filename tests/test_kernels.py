@@ -1,7 +1,8 @@
 """Conformance suite of the paged-attention paths (kernels/): the same cases for every path.
 
-Paths (PATHS): reference; xla; pallas_tpu (TPU interpret mode off TPU); pallas_gpu
-(interpret=True off GPU); triton: its @triton.jit kernel under Triton's CPU interpreter on torch
+Paths (PATHS): reference; xla; cpu (the native C++ kernel; skips with the build's reason where
+it does not build); pallas_tpu (TPU interpret mode off TPU); pallas_gpu (interpret=True off
+GPU); triton: its @triton.jit kernel under Triton's CPU interpreter on torch
 tensors when TRITON_INTERPRET=1 (set here, before kernels.triton is first imported), or real
 jax_triton launches on a GPU run with TRITON_INTERPRET=0 (experiments/gpu_check.sh).
 
@@ -49,7 +50,7 @@ import kernels  # pylint: disable=wrong-import-position
 from kernels import contract  # pylint: disable=wrong-import-position
 from kernels import paged_attention  # pylint: disable=wrong-import-position
 
-PATHS = kernels.IMPLS  # reference, xla, pallas_tpu, pallas_gpu, triton
+PATHS = kernels.IMPLS  # reference, xla, cpu, pallas_tpu, pallas_gpu, triton
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARG_NAMES = ('q', 'k_blocks', 'v_blocks', 'block_tables', 'context_lens', 'q_positions')
@@ -270,6 +271,15 @@ def triton_launcher():
   return kt.paged_attention_triton
 
 
+def require_cpu_kernel():
+  """Skips with the build's reason where the native CPU kernel does not build or load."""
+  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != 'cpu':
+    pytest.skip(f'the cpu path runs on the CPU backend, not {jax.default_backend()}')
+  if not cpu.available():
+    pytest.skip(f'the native CPU kernel is unavailable: {cpu.unavailable_reason()}')
+
+
 def wrapper(path):
   """The path's own wrapper, which takes context_splits (the dispatcher does not)."""
   if path == 'triton':
@@ -281,6 +291,8 @@ def run(path, args, **kwargs):
   """The path on a case's arguments -> float32 numpy [B, T, Hq, D]. Through the dispatcher
   (how the engine calls) unless the case sets context_splits or the path is triton (the
   interpreter's launcher is not a dispatcher target)."""
+  if path == 'cpu':
+    require_cpu_kernel()
   call_args = [args[n] for n in ARG_NAMES]
   kwargs.update({n: args[n] for n in ('k_scales', 'v_scales') if n in args})
   if args['layer'] is not None:
@@ -471,7 +483,7 @@ def test_bad_inputs_raise_value_error(path):
       run(path, args)
 
 
-@pytest.mark.parametrize('path', ['xla', 'pallas_tpu', 'pallas_gpu', 'triton'])
+@pytest.mark.parametrize('path', ['xla', 'cpu', 'pallas_tpu', 'pallas_gpu', 'triton'])
 def test_bad_context_splits_raise_value_error(path):
   args, _ = case('split3_prefill_int8_stacked')
   for bad in (0, -1, 2.5, True):
@@ -497,12 +509,26 @@ def test_unknown_impl_raises():
 # ------------------------------------------------------------------------------------------------
 # Dispatcher: impl='auto'
 # ------------------------------------------------------------------------------------------------
-def test_auto_picks_a_native_path():
-  assert kernels.best_impl('cpu') == 'xla'
+def test_auto_picks_a_native_path(monkeypatch):
+  """On CPU, auto is the native kernel where it builds (here it must: g++ is installed; a
+  machine without a compiler skips) and xla where it does not."""
+  from kernels import cpu  # pylint: disable=import-outside-toplevel
   assert kernels.best_impl('tpu') == 'pallas_tpu'
   assert kernels.best_impl('gpu') == 'pallas_gpu'
+  assert not kernels.runs_on('cpu', 'gpu')
   args, want = case('decode_bf16kv_bs128_g8')
-  assert_close(run('auto', args), want, jnp.float32)
+  if jax.default_backend() == 'cpu':
+    require_cpu_kernel()
+    assert kernels.best_impl('cpu') == 'cpu' and kernels.runs_on('cpu')
+    called = spy_on(monkeypatch, 'cpu', 'xla')
+    assert_close(run('auto', args), want, jnp.float32)
+    assert called == ['cpu']
+    monkeypatch.setattr(cpu, 'available', lambda: False)  # as when the build fails
+    assert kernels.best_impl('cpu') == 'xla' and not kernels.runs_on('cpu')
+    assert_close(run('auto', args), want, jnp.float32)
+    assert called == ['cpu', 'xla']
+  else:
+    assert_close(run('auto', args), want, jnp.float32)
 
 
 def spy_on(monkeypatch, *paths):
@@ -543,32 +569,41 @@ def test_auto_on_gpu_takes_quantized_pools(monkeypatch, name, fp8_ok, want):
 
 
 # ------------------------------------------------------------------------------------------------
-# xla: the CPU path, at the shapes and the way the engine runs it
+# The CPU paths (xla, cpu), at the shapes and the way the engine runs them
 # ------------------------------------------------------------------------------------------------
+CPU_PATHS = ('xla', 'cpu')
 # (block_size, group, head_dim, num_q, dtype) beyond CASES: block sizes 64-256, T*G of 4-32 rows
-# on both sides of the dot threshold (16).
-XLA_SHAPES = [(64, 4, 64, 8, 'float32'), (128, 8, 128, 3, 'float32'), (256, 4, 64, 1, 'bfloat16')]
+# on both sides of xla's dot threshold (16); a float16 pool (no case has one).
+XLA_SHAPES = [(64, 4, 64, 8, 'float32'), (128, 8, 128, 3, 'float32'), (256, 4, 64, 1, 'bfloat16'),
+              (32, 2, 64, 2, 'float16')]
 
 
+@pytest.mark.parametrize('path', CPU_PATHS)
 @pytest.mark.parametrize('block_size,group,head_dim,num_q,dtype', XLA_SHAPES)
-def test_xla_block_sizes(block_size, group, head_dim, num_q, dtype):
+def test_xla_block_sizes(path, block_size, group, head_dim, num_q, dtype):
+  q_dtype = 'float32' if dtype == 'float16' else dtype
   spec = Spec('xla', block_size=block_size, group=group, head_dim=head_dim, num_q=num_q,
-              q_dtype=dtype, kv_dtype=dtype)
+              q_dtype=q_dtype, kv_dtype=dtype)
   args = build(spec, block_size + group)
-  assert_close(run('xla', args), oracle(args), dtype)
+  assert_close(run(path, args), oracle(args), q_dtype)
 
 
-def test_xla_at_benchmark_scale():
+@pytest.mark.parametrize('path', CPU_PATHS)
+def test_xla_at_benchmark_scale(path):
   """Near the benchmark's shape (where XLA CPU picks its fusions): XLA's YNNPACK fusions once
-  miscompiled a scan formulation to a max error of 4."""
+  miscompiled a scan formulation to a max error of 4. For cpu: 16 (sequence, KV head) tasks
+  over every thread, lengths from 0 to the table's end."""
   spec = Spec('bench', block_size=64, num_kv_heads=8, max_blocks=16)
   args = build(spec, 7, lengths=(1024, 1000, 64, 0, 513, 1024, 7, 960))
-  assert_close(run('xla', args), oracle(args), jnp.float32)
+  assert_close(run(path, args), oracle(args), jnp.float32)
 
 
-def test_xla_inside_layer_scan_under_jit():
+@pytest.mark.parametrize('path', CPU_PATHS)
+def test_xla_inside_layer_scan_under_jit(path):
   """How the model calls it: a lax.scan over layer indices inside a jitted step, the whole
   quantized pool (float16 scales) passed with the traced layer."""
+  if path == 'cpu':
+    require_cpu_kernel()
   args, _ = case('decode_int8_stacked')
   layers = SPECS['decode_int8_stacked'].layers
 
@@ -576,7 +611,7 @@ def test_xla_inside_layer_scan_under_jit():
   def step(q):
     def one_layer(x, layer):
       out = paged_attention(x, args['k_blocks'], args['v_blocks'], args['block_tables'],
-                            args['context_lens'], args['q_positions'], impl='xla', layer=layer,
+                            args['context_lens'], args['q_positions'], impl=path, layer=layer,
                             k_scales=args['k_scales'], v_scales=args['v_scales'])
       return x + out, None
     return jax.lax.scan(one_layer, q, jnp.arange(layers))[0]
@@ -617,6 +652,70 @@ def test_xla_gathers_blocks_straight_into_token_order():
     want = want.reshape(2, 2, 3 * 4, *x.shape[4:])
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_cpu_splits_its_own_context():
+  """One sequence of 2 KV heads (2 tasks for the machine's threads): the kernel's default
+  splits the 2048-token context (at least 256 tokens a split); explicit counts from 1 to more
+  splits than blocks (the surplus splits see nothing and weigh 0) all give the oracle's output."""
+  require_cpu_kernel()
+  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  spec = Spec('cpu_splits', block_size=64, group=3, max_blocks=33, lengths=(2048,))
+  args = build(spec, 5)
+  want = oracle(args)
+  for splits in (None, 1, 5, 40):
+    assert_close(run('cpu', dict(args, splits=splits)), want, jnp.float32)
+  assert cpu.uses_avx2() in (True, False)
+
+
+def test_cpu_refuses_block_ids_and_layers_outside_the_pool():
+  """The kernel checks every block id it would read, and the (traced) layer, against the pool,
+  and fails the call naming them, rather than reading outside the pool."""
+  require_cpu_kernel()
+  args, _ = case('decode_int8_stacked')
+  tables = np.asarray(args['block_tables']).copy()
+  tables[5, 2] = 10_000  # sequence 5 has the longest context: it reads all 3 of its blocks
+  with pytest.raises(Exception, match=r'block_tables\[5, 2\] = 10000 is outside the pool'):
+    run('cpu', dict(args, block_tables=jnp.asarray(tables)))
+  with pytest.raises(Exception, match='layer 7 is outside the pool\'s 2 layers'):
+    run('cpu', at_layer(args, 7))
+
+
+def fake_compiler(tmp_path, compile_status):
+  """A `$CXX` that reports a version and then fails (or passes) every compile."""
+  script = tmp_path / 'fake-cxx'
+  script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo fake-cxx 1.0; exit 0; fi\n'
+                    f'echo "fake-cxx: error: no such luck" >&2\nexit {compile_status}\n')
+  script.chmod(0o755)
+  return str(script)
+
+
+def test_cpu_build_failures_name_the_compiler_and_its_error(tmp_path, monkeypatch):
+  """No compiler, or one that fails: build() raises naming it (available() turns that into
+  False and the reason; `auto` then stays on xla, see test_auto_picks_a_native_path), and no
+  half-written library is left in the cache."""
+  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('PAGEDJAX_KERNEL_CACHE', str(tmp_path / 'cache'))
+  with pytest.raises(RuntimeError, match="no working C\\+\\+ compiler '/nonexistent/g\\+\\+'"):
+    cpu.build('/nonexistent/g++')
+  cxx = fake_compiler(tmp_path, 1)
+  with pytest.raises(RuntimeError, match='failed \\(1\\): fake-cxx: error: no such luck'):
+    cpu.build(cxx)
+  assert not os.listdir(tmp_path / 'cache')
+
+
+def test_cpu_library_is_cached_by_sources_compiler_and_jax(tmp_path, monkeypatch):
+  """The library's name is a hash of the sources, flags, compiler and jax versions: another
+  compiler is another file; a built one is reused (not rebuilt)."""
+  require_cpu_kernel()
+  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  path = cpu.library_path()
+  assert os.path.exists(path) and path.startswith(cpu.cache_dir())
+  mtime = os.path.getmtime(path)
+  assert cpu.build() == path and os.path.getmtime(path) == mtime
+  assert cpu.library_path(fake_compiler(tmp_path, 0)) != path
+  monkeypatch.setattr(cpu.jax, '__version__', '0.0.0')
+  assert cpu.library_path() != path
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""Paged attention as a native C++ kernel for XLA:CPU, called through JAX's typed FFI.
+
+The kernel (kernels/csrc/paged_attention_cpu.cc, body in paged_attention_cpu_body.inc) reads
+the layer-stacked pool [L, N, Hkv, bs, D] in place: per (sequence, KV head, context split) one
+task walks that sequence's visible blocks through its block table, reads each K/V row once for
+all R = T*G query rows of the group (GQA; decode and prefill chunks, causal within the chunk
+through q_positions), converts it to float32 in registers (bfloat16 / float16 by bit shifts,
+int8 and fp8_e4m3 codes with their per-(token, KV head) scales: the K scale on the score, the V
+scale on the probability, as kernels/xla.py does) and folds it into an online softmax. Slots a
+query may not see are never read, so NaN / inf there cannot reach the output. Tasks run on
+XLA's own intra-op thread pool (the FFI ThreadPool context: the thread count XLA takes from the
+machine), the calling thread included. With fewer (sequence, KV head) pairs than two per thread
+the context is split (flash-decoding) into splits of at least 256 tokens, merged in C++ as
+contract.merge_split_states does; `context_splits` forces a count. The layer index is a 1-element
+int32 operand, so the model's layer scan can pass a traced one.
+
+Vectorization without -march=native: the loops are plain C++ that GCC vectorizes at -O3, the
+two reductions (q.k and the softmax sum) marked `#pragma omp simd reduction`, which
+-fopenmp-simd honours with no OpenMP runtime. No -ffast-math: it would license reassociation
+everywhere, let the compiler assume no NaN/inf (the masking's premise), and linking with it sets
+flush-to-zero for the whole process. The body is compiled twice in one library, for the
+baseline ISA and (x86-64, GCC) under `#pragma GCC target("avx2,fma")`; the copy is picked at load
+time from the CPU's flags (`uses_avx2()` reports which), so a library built on one machine runs
+on any x86-64 and AVX2 machines get 8-wide FMA loops. exp is a vectorizable Cephes polynomial
+(about 1 ulp); float16 / fp8 widening builds subnormals from an exact int->float conversion, so
+XLA threads running with denormals-are-zero still get them right.
+
+Build: compiled with the C++ compiler (`$CXX`, default g++) at first use into
+`~/.cache/pagedjax/kernels/` (`$PAGEDJAX_KERNEL_CACHE` overrides the directory), named by a hash
+of the sources, the flags, the compiler's version and jax/jaxlib's versions, written to a temporary
+file and renamed (two processes building at once both end with a whole library). Not a setuptools
+extension: the FFI headers come from the installed jaxlib (`jax.ffi.include_dir()`), which pip's
+isolated build environment for `pip install -e .` does not have, and the library must match the
+jaxlib it runs against (the GPU machine brings another jax); a cache keyed by versions rebuilds
+exactly when one changes, and needs no build step in the README's install command. Without a
+compiler (or if the build or loading fails) `available()` is False, `unavailable_reason()` says
+why, `impl='auto'` stays on `xla` and the conformance tests for `cpu` skip with that reason.
+
+CPU only: the FFI target is registered for platform 'cpu'; `auto` picks it only when JAX's
+default backend is the CPU. Contract: kernels/contract.py.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import contract
+
+TARGET = 'pagedjax_paged_attention_cpu'
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
+SOURCES = ('paged_attention_cpu.cc', 'paged_attention_cpu_body.inc')
+# Portable flags only (see the module docstring): -O3 vectorizes, -fopenmp-simd honours the simd
+# pragmas, -fno-math-errno lets std::exp skip errno (the kernel never reads it).
+CXXFLAGS = ('-O3', '-std=c++17', '-fPIC', '-shared', '-fopenmp-simd', '-fno-math-errno')
+_BUILD_TIMEOUT_S = 300
+
+
+def cache_dir():
+  """Where built libraries go: $PAGEDJAX_KERNEL_CACHE, else ~/.cache/pagedjax/kernels."""
+  return os.path.expanduser(os.environ.get('PAGEDJAX_KERNEL_CACHE',
+                                           '~/.cache/pagedjax/kernels'))
+
+
+def _compiler():
+  return os.environ.get('CXX', 'g++')
+
+
+def _compiler_version(cxx):
+  done = subprocess.run([cxx, '--version'], capture_output=True, text=True, timeout=60,
+                        check=True)
+  return done.stdout.splitlines()[0] if done.stdout else ''
+
+
+def library_path(cxx=None):
+  """The cached library's path for these sources, flags, compiler and jax/jaxlib versions (raises
+  OSError / CalledProcessError when the compiler does not run)."""
+  cxx = cxx or _compiler()
+  key = hashlib.sha256()
+  for name in SOURCES:
+    with open(os.path.join(_CSRC, name), 'rb') as f:
+      key.update(f.read())
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  for part in (*CXXFLAGS, cxx, _compiler_version(cxx), jax.__version__, jaxlib.__version__):
+    key.update(part.encode() + b'\0')
+  return os.path.join(cache_dir(), f'paged_attention_cpu-{key.hexdigest()[:16]}.so')
+
+
+def build(cxx=None):
+  """Compiles the kernel into the cache unless it is there; returns the library's path. Raises
+  RuntimeError naming the compiler and its last error lines when it cannot."""
+  cxx = cxx or _compiler()
+  try:
+    path = library_path(cxx)
+  except (OSError, subprocess.SubprocessError) as e:
+    raise RuntimeError(f'no working C++ compiler {cxx!r} ($CXX): {e}') from None
+  if os.path.exists(path):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix='.so.tmp', dir=os.path.dirname(path))
+  os.close(fd)
+  command = [cxx, *CXXFLAGS, '-isystem', jax.ffi.include_dir(),
+             os.path.join(_CSRC, SOURCES[0]), '-o', tmp]
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
+                          check=False)
+    if done.returncode != 0:
+      tail = ' '.join(done.stderr.strip().splitlines()[-5:])
+      raise RuntimeError(f'{" ".join(command)} failed ({done.returncode}): {tail}')
+    os.replace(tmp, path)
+  except (OSError, subprocess.SubprocessError) as e:
+    raise RuntimeError(f'compiling the CPU kernel with {cxx!r} failed: {e}') from None
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return path
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+  """(ctypes library, None) once built, loaded and registered with XLA; (None, reason) when any
+  step fails. Cached for the process: a failed build is not retried on every call."""
+  try:
+    path = build()
+    lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedAttentionCpu),
+                                platform='cpu')
+  except (RuntimeError, OSError, AttributeError) as e:
+    return None, str(e)
+  return lib, None
+
+
+def available():
+  """Whether the native kernel is built (or could be, now) and registered."""
+  return _load()[0] is not None
+
+
+def unavailable_reason():
+  """Why available() is False (None when it is True)."""
+  return _load()[1]
+
+
+def uses_avx2():
+  """Whether this CPU runs the kernel's AVX2 + FMA copy (False: the baseline copy)."""
+  lib = _load()[0]
+  return bool(lib is not None and lib.PagedAttentionCpuUsesAvx2())
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrapper
+# ------------------------------------------------------------------------------------------------
+def paged_attention_cpu(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, *,
+                        scale=None, k_scales=None, v_scales=None, layer=None,
+                        context_splits=None):
+  """The contract's paged attention (kernels/contract.py) on XLA:CPU. layer: index into a
+  layer-stacked pool [L, N, ...] (and scales), read in place. context_splits: split every
+  sequence's visible blocks into that many ranges (default: the kernel picks from the thread
+  count and the lengths, see choose_splits in the C++ source)."""
+  k_blocks, v_blocks, k_scales, v_scales, layer = contract.as_layer_stacked(
+      q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
+  splits = contract.check_context_splits(context_splits)
+  if not available():
+    raise RuntimeError(f'impl="cpu" needs the native kernel, which is unavailable: '
+                       f'{unavailable_reason()}; use impl="xla"')
+  return _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,
+                          k_scales, v_scales, contract.layer_index(layer),
+                          scale=contract.softmax_scale(scale, q.shape[-1]), splits=splits or 0)
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'splits'))
+def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales,
+                     v_scales, layer, *, scale, splits):
+  """Blocks (and scales) layer-stacked; layer a [1] int32 array; splits 0: the kernel's choice.
+  Float blocks pass 1-element float32 placeholders for the scales (never read)."""
+  if k_scales is None:
+    k_scales = v_scales = jnp.zeros((1,), jnp.float32)
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  out = call(q.astype(jnp.float32), k_blocks, v_blocks, k_scales, v_scales, block_tables,
+             context_lens, q_positions, layer, scale=np.float32(scale), splits=np.int64(splits))
+  return out.astype(q.dtype)
