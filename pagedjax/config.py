@@ -20,10 +20,10 @@ import ml_collections
 from kernels import IMPLS
 from pagedjax.device import kv_schemes
 from pagedjax.host.block_manager import KINDS as POOL_KINDS
+from pagedjax.host import policies
 from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
-from pagedjax.host.prefix_cache import EVICTION_POLICIES
 from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.scheduler import ADMISSION_POLICIES, PREEMPTION_POLICIES, VICTIM_POLICIES
+from pagedjax.host.scheduler import PREEMPTION_POLICIES
 from pagedjax.host.tier_cost import PROMOTION_RULES
 from pagedjax.model import sharding
 from pagedjax.model.llama import DTYPES, ModelConfig
@@ -42,6 +42,15 @@ class ConfigError(ValueError):
 
 def _fail(field, value, allowed):
   raise ConfigError(f'config.{field}={value!r} is not allowed: {allowed}')
+
+
+def _check_policy(field, value, registry: policies.Registry):
+  """A policy field (host/policies.py): a registered name, or 'package.module:attr' imported and
+  checked now, so a missing module or attribute fails at config load, not mid-run."""
+  try:
+    registry.get(value)
+  except policies.PolicyError as e:
+    raise ConfigError(f'config.{field}={value!r} is not allowed: {e}') from None
 
 
 def _is_int(value) -> bool:
@@ -189,20 +198,24 @@ class SchedulerConfig:
   # recompute | swap (to a host-RAM tier) | auto (the cheaper by the cost model, per victim)
   preemption: str = 'recompute'
   # which running sequence is preempted: newest | least_progress | priority | cost
+  # (victim, admission and queue_order also take 'package.module:function': host/policies.py)
   victim: str = 'newest'
   # watermark (admit while blocks allow) | projected (also fit what running sequences will
   # hold admission_horizon tokens from now)
   admission: str = 'watermark'
+  # order of the waiting queue: fcfs | sjf (fewest tokens left first) | priority
+  queue_order: str = 'fcfs'
   admission_horizon: int = 0  # tokens ahead for 'projected'; 0 = to each one's max_new_tokens
   watermark: float = 0.01  # share of pool blocks paged admission keeps free
   max_num_batched_tokens: int = 0  # query tokens per iteration; 0 = max_batch_size * chunk
   swap_blocks: int = 0  # host-tier blocks for swap; 0 = as many as the pool
 
   def validate(self, max_batch_size: int):
-    for name, allowed in (('preemption', PREEMPTION_POLICIES), ('victim', VICTIM_POLICIES),
-                          ('admission', ADMISSION_POLICIES)):
-      if getattr(self, name) not in allowed:
-        _fail(f'scheduler.{name}', getattr(self, name), f'one of {allowed}')
+    if self.preemption not in PREEMPTION_POLICIES:
+      _fail('scheduler.preemption', self.preemption, f'one of {PREEMPTION_POLICIES}')
+    for name, registry in (('victim', policies.VICTIM), ('admission', policies.ADMISSION),
+                           ('queue_order', policies.QUEUE_ORDER)):
+      _check_policy(f'scheduler.{name}', getattr(self, name), registry)
     if not _is_int(self.admission_horizon) or self.admission_horizon < 0:
       _fail('scheduler.admission_horizon', self.admission_horizon,
             'an integer >= 0 (tokens; 0 = each sequence\'s max_new_tokens)')
@@ -224,7 +237,9 @@ class SchedulerConfig:
 class PrefixCacheConfig:
   enabled: bool = False  # reuse cached full blocks of earlier prompts
   design: str = 'hash'  # hash (chain over full blocks) | radix (tree)
-  eviction: str = 'lru'  # lru | lfu: which evictable cached block (or session) goes first
+  # which evictable cached block (or session) goes first: a policies.EVICTION name (lru, lfu,
+  # leaves_first, gdsf, session_recency, s3fifo) or 'package.module:Class'
+  eviction: str = 'lru'
   # Demote a session's idle blocks as a unit once it has been idle this long (engine-clock
   # seconds; host/sessions.py); 0 = only when the pool needs the room.
   session_idle_s: float = 0.0
@@ -235,8 +250,7 @@ class PrefixCacheConfig:
     if self.design not in PREFIX_DESIGNS:
       _fail('prefix_cache.design', self.design,
             f'one of {PREFIX_DESIGNS} (hash chain over full blocks, or radix tree)')
-    if self.eviction not in EVICTION_POLICIES:
-      _fail('prefix_cache.eviction', self.eviction, f'one of {EVICTION_POLICIES}')
+    _check_policy('prefix_cache.eviction', self.eviction, policies.EVICTION)
     t = self.session_idle_s
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
       _fail('prefix_cache.session_idle_s', t, 'a finite number of seconds >= 0 (0 = off)')
@@ -252,7 +266,7 @@ class TiersConfig:
   disk_kvstore: str = ''
   write_through: bool = False  # copy blocks down as they fill (else only on eviction)
   promotion: str = 'auto'  # auto (cost model) | load | recompute: what a lower-tier hit does
-  eviction: str = 'lru'  # lru | lfu, within tiers 2 and 3
+  eviction: str = 'lru'  # within tiers 2 and 3: a policies.EVICTION name or 'module:Class'
   # Most device blocks prefix_cache.pin() may keep (pinned prefixes are never evicted).
   pinned_blocks: int = 0
   # Cost-model figures (host/tier_cost.py); 0 = measured at engine start when a rule needs
@@ -286,8 +300,7 @@ class TiersConfig:
       _fail('tiers.write_through', self.write_through, 'True or False')
     if self.promotion not in PROMOTION_RULES:
       _fail('tiers.promotion', self.promotion, f'one of {PROMOTION_RULES}')
-    if self.eviction not in EVICTION_POLICIES:
-      _fail('tiers.eviction', self.eviction, f'one of {EVICTION_POLICIES}')
+    _check_policy('tiers.eviction', self.eviction, policies.EVICTION)
     for name in ('prefill_s_per_token', 'host_bytes_per_s', 'host_latency_s',
                  'disk_bytes_per_s', 'disk_latency_s'):
       value = getattr(self, name)

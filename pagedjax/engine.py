@@ -84,7 +84,8 @@ class Engine:
         max_num_batched_tokens=(sched.max_num_batched_tokens or
                                 eng.max_batch_size * eng.prefill_chunk),
         preemption=sched.preemption, victim=sched.victim, admission=sched.admission,
-        admission_horizon=sched.admission_horizon, host_allocator=tier and tier.allocator,
+        admission_horizon=sched.admission_horizon, queue_order=sched.queue_order,
+        host_allocator=tier and tier.allocator,
         cost=cost)
     self.intake = RequestIntake(
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,

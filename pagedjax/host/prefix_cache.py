@@ -19,10 +19,12 @@ cached block, the block is neither free nor held but *evictable*: its K/V stay v
 prompt with the same prefix takes it back (ref count 0 -> 1), and the allocator evicts one
 (dropping its entry) only when its free list is empty. Evictable blocks count as free space.
 
-Eviction: 'lru' evicts the block released longest ago; 'lfu' the one with the fewest hits,
-least recently used first among equals. A lazy heap keeps both O(log n) per operation. Blocks
-of a session (sessions.py) go by their session instead: the whole session at its last turn's
-end (lru), or with its turn count in place of hits (lfu).
+Eviction: the evictable blocks are an EvictionQueue (host/policies.py), the policy's order, told
+of every admission, hit, release and eviction; config.prefix_cache.eviction names it ('lru',
+'lfu', ... or 'package.module:Class'). 'lru' evicts the block released longest ago; 'lfu' the one
+with the fewest hits, least recently used first among equals; a lazy heap keeps both O(log n)
+per operation. Blocks of a session (sessions.py) go by their session instead: the whole session
+at its last turn's end (lru), or with its turn count in place of hits (lfu).
 
 Pinning: `pin(token_ids, salt)` keeps the full blocks of a prefix (a system prompt, a RAG
 document, an agent scaffold) on the device: a pinned block no sequence holds is *pinned idle*,
@@ -38,15 +40,13 @@ manager continues a prefix lookup past the device hits into them.
 """
 import array
 import hashlib
-import heapq
-import itertools
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 from pagedjax.host import kv_events
+from pagedjax.host import policies
 from pagedjax.host.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
-EVICTION_POLICIES = ('lru', 'lfu')
 
 
 class PinError(ValueError):
@@ -96,17 +96,14 @@ class CacheBase:
   full blocks), offer(seq, n) (cache seq's blocks num_offered..n-1, just filled), __len__,
   is_cached(block), entry(block) (its key and content), block_of(key) (the cached block of a
   chain key, or None), _can_evict(block) and _drop(block) (forget a victim's entry), and calls
-  _cached(block, key, content) for each new entry."""
+  _cached(block, key, content, depth) for each new entry.
 
-  def __init__(self, block_size: int, eviction: str = 'lru'):
-    if eviction not in EVICTION_POLICIES:
-      raise ValueError(f'eviction {eviction!r} is not allowed: one of {EVICTION_POLICIES}')
+  eviction: a policy name or 'module:Class' (policies.EVICTION), or an EvictionQueue instance."""
+
+  def __init__(self, block_size: int, eviction='lru'):
     self.block_size = block_size
-    self.eviction = eviction
-    self._hits: Dict[int, int] = {}  # cached block -> hits (LFU)
-    self._evictable: Dict[int, Tuple] = {}  # block -> its current heap priority
-    self._heap: List[Tuple] = []  # (priority, block), stale entries skipped on pop
-    self._tick = itertools.count()
+    self.eviction = policies.eviction_name(eviction)
+    self.queue = policies.eviction_queue(eviction)  # the evictable blocks, in the policy's order
     # Figures (metrics): per admission lookup, and evictions.
     self.queried_blocks = self.hit_blocks = 0
     self.queried_tokens = self.hit_tokens = 0
@@ -120,18 +117,18 @@ class CacheBase:
 
   @property
   def num_evictable(self) -> int:
-    return len(self._evictable)
+    return len(self.queue)
 
   @property
   def num_pinned_idle(self) -> int:
     return len(self._pinned_idle)
 
   def is_evictable(self, block: int) -> bool:
-    return block in self._evictable
+    return block in self.queue
 
   def is_idle(self, block: int) -> bool:
     """Cached and held by no sequence: evictable, or kept by a pin."""
-    return block in self._evictable or block in self._pinned_idle
+    return block in self.queue or block in self._pinned_idle
 
   def pin(self, token_ids, salt=None) -> List[int]:
     """Pins the full blocks of token_ids (with this cache salt); returns their chain keys."""
@@ -144,7 +141,7 @@ class CacheBase:
     for key in keys:
       self._pins[key] = self._pins.get(key, 0) + 1
       block = self.block_of(key)
-      if block is not None and self._evictable.pop(block, None) is not None:
+      if block is not None and self.queue.discard(block):
         self._pinned_idle.add(block)
     return keys
 
@@ -163,7 +160,7 @@ class CacheBase:
           self.release(block)
 
   def evictable_blocks(self) -> List[int]:
-    return list(self._evictable)
+    return self.queue.keys()
 
   def record_lookup(self, queried_blocks: int, hit_blocks: int, queried_tokens: int) -> None:
     self.queried_blocks += queried_blocks
@@ -185,8 +182,10 @@ class CacheBase:
     tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
     return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
 
-  def _cached(self, block: int, key: int, content: Tuple) -> None:
-    """A new entry: the lower tiers may copy it down now (write-through)."""
+  def _cached(self, block: int, key: int, content: Tuple, depth: int) -> None:
+    """A new entry, at block index `depth` of its prompt: the eviction policy learns of it, and
+    the lower tiers may copy it down now (write-through)."""
+    self.queue.admit(block, depth, key)
     if self.events:  # someone listens (kv_events.py)
       self.events.stored(kv_events.MEDIUM_GPU, key, content)
     if self.lower is not None:
@@ -194,8 +193,8 @@ class CacheBase:
 
   def touch(self, block: int) -> None:
     """A hit: the block is taken by a sequence (leaving the evictable set if it was there)."""
-    self._hits[block] += 1
-    self._evictable.pop(block, None)
+    self.queue.hit(block)
+    self.queue.discard(block)
     self._pinned_idle.discard(block)
 
   def release(self, block: int) -> None:
@@ -204,50 +203,45 @@ class CacheBase:
     if self._pins and self.entry(block)[0] in self._pins:
       self._pinned_idle.add(block)
       return
-    tick = next(self._tick)
-    session = self.sessions.order(block) if self.sessions is not None else None
-    count, major = session if session is not None else (0, tick)
-    # LFU: a session's block counts its session's turns, or its own hits if more (a prefix
-    # several sessions share stays as hot as its hits say).
-    count = max(count, self._hits[block])
-    priority = (major, tick) if self.eviction == 'lru' else (count, major, tick)
-    self._evictable[block] = priority
-    heapq.heappush(self._heap, (priority, block))
+    self.queue.push(block, self.sessions.order(block) if self.sessions is not None else None)
 
   def end_turn(self, session: str, blocks: List[int], now: float) -> None:
     """A turn of `session` finished holding `blocks`: its cached ones become the session's
     (called before they are released, so they are queued by the session's order)."""
-    self.sessions.end_turn(session, [b for b in blocks if self.is_cached(b)], next(self._tick),
+    self.sessions.end_turn(session, [b for b in blocks if self.is_cached(b)], self.queue.tick(),
                            now)
 
   def idle_session_blocks(self, now: float) -> List[Tuple[str, List[int]]]:
     """(session, its evictable blocks in eviction order) for each session idle too long."""
     if self.sessions is None:
       return []
-    return [(session, sorted((b for b in self.sessions.blocks(session) if b in self._evictable),
-                             key=self._evictable.get))
+    return [(session, self.queue.ranked(self.sessions.blocks(session)))
             for session in self.sessions.idle(now)]
 
   def _requeue(self, block: int) -> None:
-    """An evictable block the policy passed over (_can_evict) may go now: queue it again."""
-    if block in self._evictable:
-      heapq.heappush(self._heap, (self._evictable[block], block))
+    """An evictable block the policy passed over (_can_evict) may go now."""
+    self.queue.requeue(block)
 
   def evict(self) -> int:
     """Drops the policy's victim from the cache and returns its block (now free to reuse)."""
-    while self._heap:
-      priority, block = heapq.heappop(self._heap)
-      if self._evictable.get(block) == priority and self.evict_block(block):
-        return block
-    raise RuntimeError('no evictable block')
+    block = self.queue.pop(self._can_evict)
+    if block is None:
+      raise RuntimeError('no evictable block')
+    self._evict_entry(block)
+    return block
 
   def evict_block(self, block: int) -> bool:
     """Drops an evictable block's entry now (demoting it when lower tiers exist); False when
     the design must keep it for now (radix: it still has children)."""
     if not self._can_evict(block):
       return False
-    del self._evictable[block]
-    del self._hits[block]
+    self._evict_entry(block)
+    return True
+
+  def _evict_entry(self, block: int) -> None:
+    if block not in self.queue:
+      raise KeyError(f'block {block} is not evictable')
+    self.queue.remove(block)
     if self.lower is not None:  # write-back: demoted (copied down) rather than dropped
       self.lower.evicted(block, *self.entry(block))
     if self.sessions is not None:
@@ -256,7 +250,6 @@ class CacheBase:
       self.events.removed(kv_events.MEDIUM_GPU, self.entry(block)[0])
     self._drop(block)
     self.evictions += 1
-    return True
 
   def figures(self) -> dict:
     return {
@@ -276,7 +269,7 @@ class CacheBase:
 class PrefixCache(CacheBase):
   """The hash-chain design: key -> block for full blocks whose K/V are in the pool."""
 
-  def __init__(self, block_size: int, eviction: str = 'lru'):
+  def __init__(self, block_size: int, eviction='lru'):
     super().__init__(block_size, eviction)
     self._block_of: Dict[int, int] = {}  # key -> block
     self._key_of: Dict[int, int] = {}  # block -> key
@@ -310,10 +303,11 @@ class PrefixCache(CacheBase):
   def offer(self, seq, n: int) -> None:
     keys = self.keys(seq, n)
     for i in range(seq.num_offered, n):
-      self.insert(keys[i], seq.block_table[i], self.content(seq, keys, i))
+      self.insert(keys[i], seq.block_table[i], self.content(seq, keys, i), i)
 
-  def insert(self, key: int, block: int, content: Tuple) -> bool:
-    """Caches a held, just-filled block keyed on `content` (block_content()); False when the
+  def insert(self, key: int, block: int, content: Tuple, depth: int = 0) -> bool:
+    """Caches a held, just-filled block keyed on `content` (block_content()), block `depth` of
+    its prompt; False when the
     key already names another block (two sequences computed the same prefix at once: the first
     one keeps the entry; or a collision: the first content keeps it)."""
     if key in self._block_of or block in self._key_of:
@@ -321,8 +315,7 @@ class PrefixCache(CacheBase):
     self._block_of[key] = block
     self._key_of[block] = key
     self._content_of[block] = content
-    self._hits[block] = 0
-    self._cached(block, key, content)
+    self._cached(block, key, content, depth)
     return True
 
   def _can_evict(self, block: int) -> bool:

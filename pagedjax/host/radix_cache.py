@@ -35,7 +35,7 @@ class _Node:
 
 class RadixCache(CacheBase):
 
-  def __init__(self, block_size: int, eviction: str = 'lru'):
+  def __init__(self, block_size: int, eviction='lru'):
     super().__init__(block_size, eviction)
     self._roots: Dict[object, _Node] = {}  # cache salt -> root (holds no block)
     self._node_of: Dict[int, _Node] = {}  # block -> its node
@@ -82,8 +82,7 @@ class RadixCache(CacheBase):
         child = node.children[tokens] = _Node(block, node, tokens, keys[i], content)
         self._node_of[block] = child
         self._block_of_key.setdefault(keys[i], block)
-        self._hits[block] = 0
-        self._cached(block, keys[i], content)
+        self._cached(block, keys[i], content, i)
       elif child.block != block:
         return  # this prefix was cached from another sequence's blocks: stop (see above)
       node = child

@@ -1,9 +1,10 @@
 """Continuous batching on the host: which sequences run in this iteration, with how many tokens.
 
-Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order):
-  waiting  visible requests holding no blocks (new, or preempted by recompute)
-  running  sequences holding device blocks
-  swapped  sequences preempted by swap; their cached K/V sit in the host tier
+Queues:
+  waiting  visible requests holding no blocks (new, or preempted by recompute), in the queue-order
+           policy's order (`queue_order`: 'fcfs' (arrival_time, request_id), 'sjf', 'priority')
+  running  sequences holding device blocks, in FCFS order (Sequence.order)
+  swapped  sequences preempted by swap; their cached K/V sit in the host tier; FCFS order
 
 `schedule()` plans one iteration (the order follows vLLM's scheduler):
   0. A leader of parallel samples whose prompt is cached but for its last token forks its
@@ -13,11 +14,12 @@ Queues, each kept in FCFS order ((arrival_time, request_id), see Sequence.order)
      sequence is never a victim while another runs, so the run cannot livelock.
   2. If nothing was preempted, swapped sequences come back in FCFS order while blocks allow.
   3. If nothing was preempted and none is swapped (they arrived first), waiting requests are
-     admitted in FCFS order while batch rows, the token budget and blocks allow, keeping a
-     watermark of free blocks for running sequences to grow into. A head that does not fit blocks
-     the queue: no request skips ahead of an older one. Admission 'projected' also asks that the
-     blocks every running sequence and the head will hold `admission_horizon` tokens from now
-     (each capped at its max_new_tokens) fit the pool: fewer admissions, fewer preemptions.
+     admitted in queue order while batch rows, the token budget and blocks allow, keeping a
+     watermark of free blocks for running sequences to grow into, and while the admission policy
+     agrees. A head that does not fit blocks the queue: no request skips ahead. Admission
+     'watermark' asks nothing more; 'projected' also asks that the blocks every running sequence
+     and the head will hold `admission_horizon` tokens from now (each capped at its
+     max_new_tokens) fit the pool: fewer admissions, fewer preemptions.
   4. Token budget: every decode costs one token and always fits (the budget is at least the batch
      size); what is left goes to prompt chunks (at most prefill_chunk tokens each) in FCFS order,
      at most `prefill_cap` prompt tokens per iteration when that is set (a throttle a caller
@@ -29,6 +31,9 @@ Admission takes a prompt's cached prefix from the prefix cache when there is one
 (copy-on-write), listed in `Plan.copies`. Batch rows count a leader's pending forks.
 The plan is pure host bookkeeping; the engine runs it (copies for swaps and copy-on-write, then
 the jitted steps).
+
+Victim, admission and queue order are plug-ins (host/policies.py: their registries, protocols and
+the built-in policies; a config may also name 'package.module:function').
 
 Preemption. The victim (`victim`):
   newest          the newest running sequence (vLLM's choice; FCFS order, Sequence.order)
@@ -47,14 +52,13 @@ How its K/V are kept (`preemption`):
 import dataclasses
 from typing import List, Optional, Tuple
 
+from pagedjax.host import policies
 from pagedjax.host.allocator import BlockAllocator
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.sequence import Sequence, Status
 from pagedjax.host.tier_cost import CostModel
 
 PREEMPTION_POLICIES = ('recompute', 'swap', 'auto')
-VICTIM_POLICIES = ('newest', 'least_progress', 'priority', 'cost')
-ADMISSION_POLICIES = ('watermark', 'projected')
 
 
 @dataclasses.dataclass
@@ -78,10 +82,14 @@ class Plan:
     return sum(1 for _, n in self.rows if n == 1)
 
 
-def _insert(queue: List[Sequence], seq: Sequence) -> None:
-  """Insert keeping FCFS order (queues are short; a sort is the clearest way)."""
+def _fcfs(seq: Sequence):
+  return seq.order
+
+
+def _insert(queue: List[Sequence], seq: Sequence, order=_fcfs) -> None:
+  """Insert keeping the queue sorted by `order` (queues are short; a sort is the clearest way)."""
   queue.append(seq)
-  queue.sort(key=lambda s: s.order)
+  queue.sort(key=order)
 
 
 class Scheduler:
@@ -89,16 +97,17 @@ class Scheduler:
   def __init__(self, blocks: BlockManager, *, max_batch_size: int, max_num_batched_tokens: int,
                prefill_chunk: int, preemption: str = 'recompute', victim: str = 'newest',
                admission: str = 'watermark', admission_horizon: int = 0,
-               host_allocator: Optional[BlockAllocator] = None,
+               queue_order: str = 'fcfs', host_allocator: Optional[BlockAllocator] = None,
                cost: Optional[CostModel] = None):
-    """host_allocator: bookkeeping of the host tier's blocks (swap and auto preemption).
+    """victim, admission, queue_order: policy names or 'module:function' (policies.py).
+    host_allocator: bookkeeping of the host tier's blocks (swap and auto preemption).
     cost: the cost model (preemption 'auto', victim 'cost'). admission_horizon: tokens ahead
     that 'projected' admission looks (0 = each sequence's whole max_new_tokens)."""
-    for name, value, allowed in (('preemption', preemption, PREEMPTION_POLICIES),
-                                 ('victim', victim, VICTIM_POLICIES),
-                                 ('admission', admission, ADMISSION_POLICIES)):
-      if value not in allowed:
-        raise ValueError(f'{name} {value!r} is not allowed: one of {allowed}')
+    if preemption not in PREEMPTION_POLICIES:
+      raise ValueError(f'preemption {preemption!r} is not allowed: one of {PREEMPTION_POLICIES}')
+    self._choose_victim = policies.VICTIM.get(victim)
+    self._admits = policies.ADMISSION.get(admission)
+    self._order = policies.QUEUE_ORDER.get(queue_order)
     if preemption != 'recompute' and host_allocator is None:
       raise ValueError(f'{preemption} preemption needs a host tier (host_allocator)')
     if cost is None and (preemption == 'auto' or victim == 'cost'):
@@ -112,6 +121,7 @@ class Scheduler:
     self.prefill_chunk = prefill_chunk
     self.preemption, self.victim, self.cost = preemption, victim, cost
     self.admission, self.admission_horizon = admission, admission_horizon
+    self.queue_order = queue_order
     self.prefill_cap: Optional[int] = None  # prompt tokens per iteration at most (a throttle)
     self.host = host_allocator
     self.waiting: List[Sequence] = []
@@ -120,7 +130,7 @@ class Scheduler:
 
   def add(self, seq: Sequence) -> None:
     seq.status = Status.WAITING
-    _insert(self.waiting, seq)
+    _insert(self.waiting, seq, self._order)
 
   def has_work(self) -> bool:
     return bool(self.waiting or self.running or self.swapped)
@@ -225,7 +235,7 @@ class Scheduler:
       unit = self._head_unit(self.waiting)
       if self._rows_used() + sum(s.width for s in unit) > self.max_batch_size:
         break
-      if not self._fits(unit, waiting=True) or not self._projected_fits(unit):
+      if not self._fits(unit, waiting=True) or not self._admits(self, unit):
         plan.memory_blocked = True
         break
       for seq in unit:
@@ -242,20 +252,6 @@ class Scheduler:
     if n > 0:
       plan.rows.append((seq, n))
     return n
-
-  def _projected_blocks(self, seq: Sequence) -> int:
-    """Blocks seq will hold admission_horizon tokens from now (0: when it finishes)."""
-    left = seq.params.max_new_tokens - len(seq.output_ids)
-    ahead = min(left, self.admission_horizon) if self.admission_horizon else left
-    return self.blocks.blocks_for(min(seq.num_tokens + ahead, self.blocks.max_seq_len))
-
-  def _projected_fits(self, unit: List[Sequence]) -> bool:
-    """Admission 'projected': the running sequences and unit, grown by the horizon, fit the
-    blocks sequences may use (shared blocks counted once per holder: an upper bound)."""
-    if self.admission != 'projected' or not self.running:
-      return True
-    need = sum(self._projected_blocks(s) * s.width for s in self.running + unit)
-    return need <= self.blocks.usable_blocks
 
   # ---- preemption ------------------------------------------------------------------------
 
@@ -275,6 +271,10 @@ class Scheduler:
     return self.preemption == 'swap' or self.cost.swap_s(n) < self.cost.recompute_tokens_s(
         sum(s.num_cached for s in unit))
 
+  def cost_s(self, seq: Sequence) -> float:
+    """Seconds preempting seq (with its beam siblings) would cost by the cost model."""
+    return self._cost_s(self._unit(seq))
+
   def _cost_s(self, unit: List[Sequence]) -> float:
     """Seconds preempting unit costs, as _preempt would do it (the cost model's figures)."""
     if self._swaps(unit):
@@ -285,15 +285,11 @@ class Scheduler:
     """The running sequence the victim policy preempts next; never the oldest while others
     run (the oldest always progresses)."""
     candidates = self.running[1:] or self.running
-    if self.victim == 'newest':
-      return candidates[-1]
-    # max() keeps the first of equals: scan newest first, so ties go to the newest.
-    newest_first = candidates[::-1]
-    if self.victim == 'least_progress':
-      return min(newest_first, key=lambda s: s.num_cached)
-    if self.victim == 'priority':
-      return max(newest_first, key=lambda s: s.params.priority)
-    return min(newest_first, key=lambda s: self._cost_s(self._unit(s)))
+    seq = self._choose_victim(self, candidates)
+    if not any(s is seq for s in candidates):
+      raise ValueError(f'victim policy {self.victim!r} chose request {seq.request_id}, which is '
+                       'not one of the candidates it was given')
+    return seq
 
   def _preempt(self, seq: Sequence, plan: Plan) -> None:
     """Swap when the policy says so (auto: when the cost model finds it cheaper) and the host

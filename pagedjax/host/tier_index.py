@@ -16,35 +16,32 @@ A key maps to one slot and a slot to one key. Each entry also keeps the content 
 computed from (prefix_cache.block_content, or a digest of it), and a lookup counts only when the
 query's content equals it: a key collision costs a miss, never another prefix's K/V.
 
-Eviction: 'lru' takes the entry used longest ago, 'lfu' the one with the fewest hits (then least
-recently used), over committed, unpinned entries; a lazy heap keeps both O(log n).
+Eviction: over committed, unpinned entries, by the tier's EvictionQueue (host/policies.py, the
+same policies as the device prefix cache's; config.tiers.eviction names it): 'lru' takes the
+entry used longest ago, 'lfu' the one with the fewest hits (then least recently used); a lazy
+heap keeps both O(log n). A pending or pinned entry the policy reaches is passed over until it
+is committed or unpinned.
 """
-import heapq
-import itertools
 from typing import Dict, Hashable, List, Optional, Tuple
 
-EVICTION_POLICIES = ('lru', 'lfu')
+from pagedjax.host import policies
 
 
 class TierIndex:
   events, medium = None, None  # kv_events.KVEvents and this tier's medium (KVTiers.attach)
 
-  def __init__(self, capacity: int, eviction: str = 'lru'):
-    if eviction not in EVICTION_POLICIES:
-      raise ValueError(f'eviction {eviction!r} is not allowed: one of {EVICTION_POLICIES}')
+  def __init__(self, capacity: int, eviction='lru'):
+    """eviction: a policy name or 'module:Class' (policies.EVICTION), or an EvictionQueue."""
     if capacity < 1:
       raise ValueError(f'capacity={capacity}: a tier needs at least one slot')
-    self.capacity, self.eviction = capacity, eviction
+    self.capacity, self.eviction = capacity, policies.eviction_name(eviction)
+    self.queue = policies.eviction_queue(eviction)  # committed entries, in eviction order
     self._slot: Dict[int, int] = {}  # key -> slot
     self._key_at: Dict[int, int] = {}  # slot -> key
     self._content: Dict[int, Hashable] = {}  # key -> what it was computed from
     self._free: List[int] = list(range(capacity - 1, -1, -1))
     self._pending: set = set()
     self._pins: Dict[int, int] = {}  # key -> reads in flight
-    self._hits: Dict[int, int] = {}
-    self._priority: Dict[int, Tuple] = {}
-    self._heap: List[Tuple] = []  # (priority, key); stale entries skipped on pop
-    self._tick = itertools.count()
     self.evictions = 0
 
   def __len__(self) -> int:
@@ -76,8 +73,8 @@ class TierIndex:
     """A use of key (a hit, or a demotion finding it already here): moves it to the back of the
     eviction order."""
     if hit:
-      self._hits[key] += 1
-    self._queue(key)
+      self.queue.hit(key)
+    self.queue.push(key)
 
   def reserve(self, key: int, content: Hashable
               ) -> Optional[Tuple[int, Optional[Tuple[int, Hashable, int]]]]:
@@ -101,19 +98,19 @@ class TierIndex:
     survives a restart); slots must be free, keys new."""
     for key, content, slot in entries:
       self._add(key, content, slot)
-      self._queue(key)
+      self.queue.push(key)
     taken = set(self._key_at)
     self._free = [s for s in self._free if s not in taken]
 
   def _add(self, key: int, content: Hashable, slot: int) -> None:
     self._slot[key], self._key_at[slot], self._content[key] = slot, key, content
-    self._hits[key] = 0
+    self.queue.admit(key, chain_key=key)
 
   def commit(self, key: int) -> None:
     if self.events and key in self._pending:  # someone listens (kv_events.py)
       self.events.stored(self.medium, key, self._content[key])
     self._pending.discard(key)
-    self._queue(key)
+    self.queue.push(key)
 
   def pin(self, key: int) -> None:
     self._pins[key] = self._pins.get(key, 0) + 1
@@ -123,6 +120,7 @@ class TierIndex:
       self._pins[key] -= 1
       if not self._pins[key]:
         del self._pins[key]
+        self.queue.requeue(key)  # evictable again if the policy passed it over
 
   def remove(self, key: int) -> Optional[int]:
     """Forgets key; returns the slot it held (now free), or None if it was not here."""
@@ -131,36 +129,21 @@ class TierIndex:
       return None
     if self.events and key not in self._pending:  # a pending key was never announced
       self.events.removed(self.medium, key)
-    del self._key_at[slot], self._content[key], self._hits[key]
-    self._priority.pop(key, None)
+    del self._key_at[slot], self._content[key]
+    self.queue.remove(key)
     self._pending.discard(key)
     self._pins.pop(key, None)
     self._free.append(slot)
     return slot
 
-  def _queue(self, key: int) -> None:
-    tick = next(self._tick)
-    priority = (tick,) if self.eviction == 'lru' else (self._hits[key], tick)
-    self._priority[key] = priority
-    heapq.heappush(self._heap, (priority, key))
-
   def _evict(self) -> Optional[Tuple[int, Hashable, int]]:
     """Removes the policy's victim among committed, unpinned entries; (key, content, slot)."""
-    skipped, victim = [], None
-    while self._heap:
-      priority, key = heapq.heappop(self._heap)
-      if self._priority.get(key) != priority:
-        continue  # stale: the key was used again or removed since
-      if key in self._pending or key in self._pins:
-        skipped.append((priority, key))  # may go later: keep its place
-        continue
-      content = self._content[key]
-      victim = (key, content, self.remove(key))
-      self.evictions += 1
-      break
-    for item in skipped:
-      heapq.heappush(self._heap, item)
-    return victim
+    key = self.queue.pop(lambda k: k not in self._pending and k not in self._pins)
+    if key is None:
+      return None
+    content = self._content[key]
+    self.evictions += 1
+    return key, content, self.remove(key)
 
   def check(self) -> None:
     """Invariants (tests): slots and keys are one-to-one, every slot is free or used once,

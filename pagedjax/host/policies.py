@@ -1,0 +1,524 @@
+"""Scheduling and caching policies as plug-ins: one small registry per decision.
+
+  registry    decides                                     protocol (below)      default
+  VICTIM      which running sequence a full pool preempts  victim function       'newest'
+  ADMISSION   whether the waiting head may be admitted     admission function    'watermark'
+  QUEUE_ORDER the order of the waiting queue               queue-order function  'fcfs'
+  EVICTION    which idle cached block (or tier entry) goes EvictionQueue class   'lru'
+
+A config names a policy by its registered name (config.scheduler.victim='least_progress') or as
+'package.module:attr', imported when the config is validated, so a policy kept in a researcher's
+own module runs in every experiment, the sweep and the simulator without editing pagedjax:
+
+  config.prefix_cache.eviction = 'my_lab.policies:SizeAwareLRU'
+
+`Registry.register` adds a name at import time (`@EVICTION.register('mine')`); `Registry.get`
+resolves either form and raises PolicyError (a ValueError) naming the value and the registered
+names. Nothing here imports jax (host code never does).
+
+Protocols, one per registry:
+
+victim(scheduler, candidates) -> Sequence
+  candidates: the running sequences the scheduler may preempt, oldest first (FCFS; the oldest of
+  all is left out while another runs, so the run cannot livelock). Return one of them. The
+  scheduler's public state is there to read: scheduler.running, scheduler.blocks (the
+  BlockManager), scheduler.cost (the cost model, None unless preemption 'auto' or victim 'cost'
+  asked for one), and scheduler.cost_s(seq): what preempting seq would cost, in seconds.
+
+admission(scheduler, unit) -> bool
+  unit: the waiting head (a beam group's siblings with it). Called only once its batch rows and
+  blocks fit; True admits it now, False blocks the queue this iteration (no request skips ahead).
+
+queue_order(seq) -> sort key
+  The waiting queue is kept sorted by this key, smallest first: admission takes the head. Ties
+  must be broken (request_id is unique), so the order is total and reproducible. Running and
+  swapped sequences stay in FCFS order (victim policies reason about age).
+
+EvictionQueue (a class, instantiated once per cache or tier with no arguments)
+  The ordered set of idle entries of one cache: device blocks of the prefix cache (hash and
+  radix designs, prefix_cache.py, radix_cache.py) or content keys of a lower tier
+  (tier_index.py). The cache calls
+    admit(key, depth, chain_key)  a new entry; depth: its block's index in its prompt (0 = the
+                                  first block); chain_key: the content key naming it in every
+                                  process (what an oracle knows the future of)
+    hit(key)                      a lookup used it
+    push(key, session)            it became evictable (again), or was used again while idle (a
+                                  tier); session: (turns, tick of its last turn's end) of the
+                                  session that owns the block (sessions.py), else None
+    discard(key) -> bool          it stopped being evictable (taken by a sequence, pinned);
+                                  False if it was not evictable
+    remove(key)                   it left the cache (evicted or forgotten)
+  and asks
+    pop(can_evict) -> key | None  the next victim among evictable keys, or None if none is left;
+                                  a key for which can_evict(key) is False is passed over and
+                                  stays out of the running until requeue(key). The cache then
+                                  evicts the victim and calls remove(key).
+    requeue(key)                  a passed-over key may go now
+    ranked(keys) -> list          those evictable keys in eviction order
+    tick() -> int                 the cache's logical clock (sessions stamp their turns with it)
+    key in queue, len(queue), queue.keys()   the evictable set
+  HeapQueue implements all of that with a lazy heap (O(log n) per event) for any policy that is a
+  priority: subclass it and write priority(key, tick, session), smallest evicted first. A policy
+  that is not a priority (S3-FIFO, ARC) implements the protocol itself.
+  Every event reaches the queue in the order the cache sees it, so a policy may keep any
+  statistics it likes (hits, ages, ghosts); it must not assume a key it never saw admitted.
+
+docs/policies.md walks through adding an eviction policy.
+"""
+import heapq
+import importlib
+import itertools
+import math
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Tuple
+
+
+class PolicyError(ValueError):
+  """A policy name that is neither registered nor an importable 'module:attr'."""
+
+
+class Registry:
+  """Named policies of one kind; a name resolves to the registered object or 'module:attr'."""
+
+  def __init__(self, kind: str, check: Callable[[object], bool], what: str):
+    self.kind, self._check, self._what = kind, check, what
+    self._entries: Dict[str, object] = {}
+
+  def register(self, name: str, obj=None):
+    """Registers obj under name (as a decorator when obj is omitted); returns obj."""
+    def add(obj):
+      if not isinstance(name, str) or not name or ':' in name:
+        raise PolicyError(f'{self.kind} policy name {name!r}: a non-empty string without ":"')
+      if name in self._entries and self._entries[name] is not obj:
+        raise PolicyError(f'{self.kind} policy {name!r} is already registered')
+      if not self._check(obj):
+        raise PolicyError(f'{self.kind} policy {name!r} is {obj!r}, not {self._what}')
+      self._entries[name] = obj
+      return obj
+    return add if obj is None else add(obj)
+
+  def names(self) -> Tuple[str, ...]:
+    return tuple(self._entries)
+
+  def __contains__(self, name) -> bool:
+    return name in self._entries
+
+  def get(self, spec):
+    """The policy a config value names: a registered name or 'package.module:attr'."""
+    allowed = (f"one of {self.names()} or 'package.module:attr' naming {self._what}")
+    if not isinstance(spec, str):
+      raise PolicyError(f'{self.kind} policy {spec!r} is not allowed: {allowed}')
+    if spec in self._entries:
+      return self._entries[spec]
+    module, sep, attr = spec.partition(':')
+    if not sep:
+      raise PolicyError(f'{self.kind} policy {spec!r} is not registered: {allowed}')
+    try:
+      obj = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+      raise PolicyError(f'{self.kind} policy {spec!r}: module {module!r} does not import '
+                        f'({e})') from None
+    except AttributeError:
+      raise PolicyError(f'{self.kind} policy {spec!r}: module {module!r} has no {attr!r}'
+                        ) from None
+    if not self._check(obj):
+      raise PolicyError(f'{self.kind} policy {spec!r} is {obj!r}, not {self._what}')
+    return obj
+
+
+# ---- eviction -------------------------------------------------------------------------------
+
+
+class EvictionQueue:
+  """The protocol (see the module docstring); the events a policy may ignore are no-ops."""
+
+  def __init__(self):
+    self._clock = itertools.count()
+
+  def tick(self) -> int:
+    return next(self._clock)
+
+  def admit(self, key: Hashable, depth: int = 0, chain_key: Optional[int] = None) -> None:
+    pass
+
+  def hit(self, key: Hashable) -> None:
+    pass
+
+  def push(self, key: Hashable, session: Optional[Tuple[int, int]] = None) -> None:
+    raise NotImplementedError
+
+  def discard(self, key: Hashable) -> bool:
+    raise NotImplementedError
+
+  def remove(self, key: Hashable) -> None:
+    raise NotImplementedError
+
+  def pop(self, can_evict: Optional[Callable[[Hashable], bool]] = None) -> Optional[Hashable]:
+    raise NotImplementedError
+
+  def requeue(self, key: Hashable) -> None:
+    raise NotImplementedError
+
+  def ranked(self, keys: Iterable[Hashable]) -> List[Hashable]:
+    raise NotImplementedError
+
+  def keys(self) -> List[Hashable]:
+    raise NotImplementedError
+
+  def __contains__(self, key) -> bool:
+    raise NotImplementedError
+
+  def __len__(self) -> int:
+    raise NotImplementedError
+
+
+class HeapQueue(EvictionQueue):
+  """An eviction policy that is a priority: the evictable key with the smallest
+  priority(key, tick, session) goes first. Priorities are fixed when a key is pushed (tick is
+  the clock then), kept in a lazy heap: a stale heap entry (the key was pushed again, discarded
+  or removed since) is skipped when it surfaces. `hits` counts each key's hits since admit."""
+
+  def __init__(self):
+    super().__init__()
+    self.hits: Dict[Hashable, int] = {}
+    self.depth: Dict[Hashable, int] = {}
+    self._priority: Dict[Hashable, tuple] = {}  # evictable key -> its priority
+    self._heap: List[tuple] = []  # (priority, key)
+
+  def priority(self, key, tick: int, session: Optional[Tuple[int, int]]) -> tuple:
+    raise NotImplementedError
+
+  def admit(self, key, depth=0, chain_key=None):
+    self.hits[key] = 0
+    self.depth[key] = depth
+
+  def hit(self, key):
+    self.hits[key] += 1
+
+  def push(self, key, session=None):
+    priority = self.priority(key, self.tick(), session)
+    self._priority[key] = priority
+    heapq.heappush(self._heap, (priority, key))
+
+  def discard(self, key) -> bool:
+    return self._priority.pop(key, None) is not None
+
+  def remove(self, key):
+    self._priority.pop(key, None)
+    self.hits.pop(key, None)
+    self.depth.pop(key, None)
+
+  def pop(self, can_evict=None):
+    while self._heap:
+      priority, key = heapq.heappop(self._heap)
+      if self._priority.get(key) != priority:
+        continue  # stale
+      if can_evict is None or can_evict(key):
+        return key
+      # passed over: out of the heap (still evictable) until requeue(key)
+    return None
+
+  def requeue(self, key):
+    if key in self._priority:
+      heapq.heappush(self._heap, (self._priority[key], key))
+
+  def ranked(self, keys):
+    return sorted((k for k in keys if k in self._priority), key=self._priority.get)
+
+  def keys(self):
+    return list(self._priority)
+
+  def __contains__(self, key) -> bool:
+    return key in self._priority
+
+  def __len__(self) -> int:
+    return len(self._priority)
+
+
+def _session_major(tick: int, session) -> int:
+  return session[1] if session is not None else tick
+
+
+class LRU(HeapQueue):
+  """Least recently used: the key pushed longest ago goes first; a session's blocks go by the
+  end of its last turn, all together (deepest first: blocks are released tail first)."""
+
+  def priority(self, key, tick, session):
+    return (_session_major(tick, session), tick)
+
+
+class LFU(HeapQueue):
+  """Least frequently used: fewest hits first (a session's block counts its session's turns,
+  or its own hits if more), least recently used among equals."""
+
+  def priority(self, key, tick, session):
+    count = max(session[0] if session is not None else 0, self.hits[key])
+    return (count, _session_major(tick, session), tick)
+
+
+class LeavesFirstLRU(HeapQueue):
+  """LRU over prefix-tree depth: the deepest idle block goes first, least recently used among
+  equal depths, so roots that many requests share stay longest. (The radix design evicts leaves
+  only anyway; this also orders the hash design's chains from their tips.)"""
+
+  def priority(self, key, tick, session):
+    return (-self.depth[key], _session_major(tick, session), tick)
+
+
+class GDSF(HeapQueue):
+  """GreedyDual-Size-Frequency (Cherkasova 1998) with a block's recompute cost for its value:
+  priority H = L + frequency * cost(depth), smallest first, where L (the inflation) is the H of
+  the last victim, so entries not used for a while age out. A block at depth d attends to d
+  blocks before it when recomputed, so cost(d) = 1 + attention_weight * d (every block is the
+  same size: size drops out). attention_weight=0 is plain GreedyDual-Frequency."""
+
+  attention_weight = 0.05
+
+  def __init__(self):
+    super().__init__()
+    self.inflation = 0.0
+
+  def priority(self, key, tick, session):
+    cost = 1.0 + self.attention_weight * self.depth[key]
+    return (self.inflation + (1 + self.hits[key]) * cost, tick)
+
+  def pop(self, can_evict=None):
+    key = super().pop(can_evict)
+    if key is not None:
+      self.inflation = self._priority[key][0]
+    return key
+
+
+class SessionRecency(HeapQueue):
+  """Conversation-aware LRU: a block's age counts from the end of its session's last turn, less
+  a bonus that grows with the session's turns: priority = last-turn tick + turn_bonus *
+  min(turns - 1, turn_cap), smallest first. A conversation that has come back before is likely
+  to come back again, so its blocks outlive one-turn requests pushed at the same time. Ticks
+  count releases, so turn_bonus is in blocks released since (the capacity that passes by).
+  Without a session a block is an LRU block."""
+
+  turn_bonus = 2000.0
+  turn_cap = 4
+
+  def priority(self, key, tick, session):
+    if session is None:
+      return (float(tick), tick)
+    turns, major = session
+    return (major + self.turn_bonus * min(turns - 1, self.turn_cap), tick)
+
+
+class S3FIFO(EvictionQueue):
+  """S3-FIFO (Yang et al., SOSP 2023): a small FIFO (small_share of the idle entries) that new
+  entries enter, a main FIFO, and a ghost FIFO of keys recently evicted from the small one. An
+  entry leaving the small FIFO moves to main if it was hit there, else it is evicted (its key
+  remembered as a ghost); an entry admitted again while its key is a ghost goes straight to
+  main. Main is FIFO with reinsertion: an entry hit since it entered goes round again once
+  (its frequency, capped at 3, counts down) instead of being evicted.
+
+  Idle entries only are queued: an entry taken by a sequence leaves the FIFOs and comes back at
+  the tail of the one it was in. The ghosts are named by chain key, since a block number is
+  reused for other content once evicted."""
+
+  small_share = 0.1
+
+  def __init__(self):
+    super().__init__()
+    self._small: Dict[Hashable, None] = {}  # idle keys in the small FIFO, oldest first
+    self._main: Dict[Hashable, None] = {}
+    self._in_main: set = set()  # admitted keys that belong to main (idle or not)
+    self._freq: Dict[Hashable, int] = {}
+    self._chain: Dict[Hashable, object] = {}
+    self._ghosts: Dict[object, None] = {}
+    self._parked: set = set()  # passed over by can_evict until requeue
+    self._entries = 0  # admitted entries (the cache's size, idle or not)
+
+  def admit(self, key, depth=0, chain_key=None):
+    name = key if chain_key is None else chain_key
+    self._chain[key] = name
+    self._freq[key] = 0
+    self._entries += 1
+    if name in self._ghosts:  # evicted from small a while ago and back: it goes to main
+      del self._ghosts[name]
+      self._in_main.add(key)
+
+  def hit(self, key):
+    self._freq[key] = min(self._freq[key] + 1, 3)
+
+  def push(self, key, session=None):
+    self.discard(key)
+    (self._main if key in self._in_main else self._small)[key] = None
+
+  def discard(self, key) -> bool:
+    was = key in self
+    self._small.pop(key, None)
+    self._main.pop(key, None)
+    self._parked.discard(key)
+    return was
+
+  def remove(self, key):
+    self.discard(key)
+    self._in_main.discard(key)
+    self._freq.pop(key, None)
+    self._chain.pop(key, None)
+    self._entries -= 1
+
+  def _ghost(self, key):
+    self._ghosts[self._chain[key]] = None
+    while len(self._ghosts) > max(self._entries, 1):
+      del self._ghosts[next(iter(self._ghosts))]
+
+  def pop(self, can_evict=None):
+    while self._small or self._main:
+      small = len(self._small) >= self.small_share * max(self._entries, 1) or not self._main
+      fifo = self._small if small else self._main
+      key = next(iter(fifo))
+      del fifo[key]
+      if self._freq[key] > 0:  # hit while queued: it earns a (further) round in main
+        self._freq[key] = 0 if small else self._freq[key] - 1
+        self._in_main.add(key)
+        self._main[key] = None
+        continue
+      if can_evict is not None and not can_evict(key):
+        self._parked.add(key)
+        continue
+      if small:
+        self._ghost(key)
+      return key
+    return None
+
+  def requeue(self, key):
+    if key in self._parked:
+      self._parked.discard(key)
+      (self._main if key in self._in_main else self._small)[key] = None
+
+  def ranked(self, keys):
+    order = {k: i for i, k in enumerate(itertools.chain(self._small, self._main))}
+    return sorted((k for k in keys if k in self), key=lambda k: order.get(k, math.inf))
+
+  def keys(self):
+    return list(self._small) + list(self._main) + list(self._parked)
+
+  def __contains__(self, key) -> bool:
+    return key in self._small or key in self._main or key in self._parked
+
+  def __len__(self) -> int:
+    return len(self._small) + len(self._main) + len(self._parked)
+
+
+def _is_queue_class(obj) -> bool:
+  return isinstance(obj, type) and issubclass(obj, EvictionQueue)
+
+
+EVICTION = Registry('eviction', _is_queue_class, 'an EvictionQueue subclass')
+EVICTION.register('lru', LRU)
+EVICTION.register('lfu', LFU)
+EVICTION.register('leaves_first', LeavesFirstLRU)
+EVICTION.register('gdsf', GDSF)
+EVICTION.register('session_recency', SessionRecency)
+EVICTION.register('s3fifo', S3FIFO)
+
+
+def eviction_queue(spec) -> EvictionQueue:
+  """A fresh queue for one cache or tier: spec is a registered name, 'module:Class', or an
+  EvictionQueue instance (used as is: an oracle built with the future, a tuned policy)."""
+  if isinstance(spec, EvictionQueue):
+    return spec
+  return EVICTION.get(spec)()
+
+
+def eviction_name(spec) -> str:
+  """How metrics name a cache's policy: its config value, or an instance's class name."""
+  return spec if isinstance(spec, str) else type(spec).__name__
+
+
+# ---- preemption victims -----------------------------------------------------------------------
+
+VICTIM = Registry('victim', callable, 'a function (scheduler, candidates) -> Sequence')
+
+
+@VICTIM.register('newest')
+def newest(scheduler, candidates):
+  """The newest running sequence (vLLM's choice)."""
+  del scheduler
+  return candidates[-1]
+
+
+# min()/max() keep the first of equals: these scan newest first, so ties go to the newest.
+
+
+@VICTIM.register('least_progress')
+def least_progress(scheduler, candidates):
+  """The fewest tokens in the cache (the least work lost)."""
+  del scheduler
+  return min(candidates[::-1], key=lambda s: s.num_cached)
+
+
+@VICTIM.register('priority')
+def priority(scheduler, candidates):
+  """The largest SamplingParams.priority value (lower is served first)."""
+  del scheduler
+  return max(candidates[::-1], key=lambda s: s.params.priority)
+
+
+@VICTIM.register('cost')
+def cost(scheduler, candidates):
+  """The cheapest to preempt by the cost model (host/tier_cost.py): swap or recompute, as the
+  scheduler would do it."""
+  return min(candidates[::-1], key=scheduler.cost_s)
+
+
+VICTIMS_NEEDING_COST = ('cost',)  # the scheduler needs a cost model for these
+
+
+# ---- admission ------------------------------------------------------------------------------
+
+ADMISSION = Registry('admission', callable, 'a function (scheduler, unit) -> bool')
+
+
+@ADMISSION.register('watermark')
+def watermark(scheduler, unit):
+  """Admit while batch rows and blocks (less the watermark) allow."""
+  del scheduler, unit
+  return True
+
+
+@ADMISSION.register('projected')
+def projected(scheduler, unit):
+  """Also ask that the blocks every running sequence and the unit will hold admission_horizon
+  tokens from now (each capped at its max_new_tokens; 0 = when it finishes) fit the blocks
+  sequences may use (shared blocks counted once per holder: an upper bound)."""
+  if not scheduler.running:
+    return True
+  blocks, horizon = scheduler.blocks, scheduler.admission_horizon
+
+  def projected_blocks(seq):
+    left = seq.params.max_new_tokens - len(seq.output_ids)
+    ahead = min(left, horizon) if horizon else left
+    return blocks.blocks_for(min(seq.num_tokens + ahead, blocks.max_seq_len))
+
+  need = sum(projected_blocks(s) * s.width for s in scheduler.running + unit)
+  return need <= blocks.usable_blocks
+
+
+# ---- waiting-queue order ----------------------------------------------------------------------
+
+QUEUE_ORDER = Registry('queue order', callable, 'a function (seq) -> sort key')
+
+
+@QUEUE_ORDER.register('fcfs')
+def fcfs(seq):
+  """First come, first served: (arrival_time, request_id) (Sequence.order)."""
+  return seq.order
+
+
+@QUEUE_ORDER.register('sjf')
+def shortest_job_first(seq):
+  """Shortest job first: the fewest tokens left to compute (prompt not cached yet plus the
+  tokens still to generate), FCFS among equals."""
+  left = seq.params.max_new_tokens - len(seq.output_ids)
+  return (seq.num_pending + left,) + seq.order
+
+
+@QUEUE_ORDER.register('priority')
+def priority_first(seq):
+  """The smallest SamplingParams.priority first, FCFS among equals."""
+  return (seq.params.priority,) + seq.order
