@@ -1,4 +1,4 @@
-"""Decoding one sequence whose context is several times the device's KV memory (issue 13).
+"""Decoding one sequence whose context is several times the device's KV memory.
 
 The engine (engine.py) refuses a request whose blocks cannot all be in its device pool at once
 (host/intake.py). This decoder serves such a request with a device *window* of W blocks holding

@@ -1,4 +1,4 @@
-"""Contexts longer than the device window (pagedjax/long_context.py, issue 13).
+"""Contexts longer than the device window (pagedjax/long_context.py).
 
 A tiny random model decodes a context 4x its device window (newest blocks on the device, older
 ones in host RAM, streamed back in chunks every step) and must give the same greedy tokens as the

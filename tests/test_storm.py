@@ -1,4 +1,4 @@
-"""Recomputation storms (issue 13): the shared system prompt changes version mid-run.
+"""Recomputation storms: the shared system prompt changes version mid-run.
 
 The windowed prefix hit rate and its alert (pagedjax/host/alerts.py), the mitigations (pre-warm:
 the new prompt computed once before the switch and pinned; throttle: prompt tokens per iteration
