@@ -1,4 +1,4 @@
-"""Tensor parallelism (pagedjax/sharding.py): meshes of 1, 2, 4 and 8 devices against one device.
+"""Tensor parallelism (pagedjax/model/sharding.py): meshes of 1, 2, 4 and 8 devices against one device.
 
 The mesh runs need 8 devices, so they run in one subprocess started with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (this file is its script, see `_worker`);

@@ -1,6 +1,6 @@
 """The paged KV pool: device state carried through every jitted step.
 
-Layout (chosen by measurement on CPU, see the README):
+Layout (chosen by measurement on CPU):
   k, v: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
 One block holds `block_size` consecutive tokens of one sequence for every layer and KV head.
 A token's *slot* is `block * block_size + offset`.
