@@ -1,0 +1,82 @@
+"""Routing across replicas, simulated: llm-d's precise prefix-cache routing setup on this CPU.
+
+  python -m experiments.cluster --workdir=runs/cluster
+  python -m experiments.cluster --config=configs/cluster.py:tiny --workdir=/tmp/cluster
+
+llm-d's benchmark of its precise prefix-cache-aware scheduler: Qwen3-32B on 8 vLLM pods of 2 x
+H100 (tensor parallel 2, KV block size 64), each with 307,328 tokens of KV cache; 150 tenants,
+each a 6,000-token system prompt, 5 users per tenant asking 1,200-token questions; Poisson load
+rising 3 -> 60 requests/s. Here every pod is a simulated replica (pagedjax/sim: the real engine
+host code, device time from the cost model with the H100 SXM preset, efficiencies assumed), the
+model a Qwen3-32B-shaped preset (its config.json numbers, below), the pool fixed at 307,328
+tokens (4,802 blocks of 64). Scaled down to run in minutes: `workload.stage_s` simulated seconds
+per load stage (llm-d ran minutes per stage), `workload.output_tokens` generated per request
+(a choice of this study). Prompts are random token ids below 256 (the content only has to be
+distinct: keys are over 64-token blocks); a request is a random tenant's prompt and a fresh
+question of a random one of its users. Every router row replays the same trace.
+`:tiny` is a seconds-long smoke run of the same pipeline (a 4-replica Llama-3-8B cluster).
+"""
+import ml_collections
+
+from configs import simulate_vllm
+from pagedjax.config import Config
+
+# Qwen/Qwen3-32B config.json: hidden 5120, 64 layers, 64 query / 8 KV heads of 128, MLP 25600,
+# vocabulary 151,936, untied embeddings, 40,960 positions (no q/k/v bias in Qwen3).
+QWEN3_32B = dict(name='Qwen3-32B', num_layers=64, d_model=5120, num_heads=64, num_kv_heads=8,
+                 head_dim=128, ffn_dim=25600, vocab_size=151936, tie_embeddings=False,
+                 max_seq_len=40960)
+BLOCK_SIZE = 64  # llm-d's vLLM --block-size
+KV_TOKENS = 307_328  # per pod, as llm-d's benchmark reports
+
+
+def router_rows():
+  """[label, registry name, keyword arguments] per router row."""
+  return [['random', 'random', {'seed': 0}],
+          ['round_robin', 'round_robin', {}],
+          ['load_aware', 'least_loaded', {'metric': 'tokens'}],
+          ['approximate', 'approx_prefix', {}],
+          ['precise', 'precise', {}],
+          ['tier_cost', 'tier_cost', {}]]
+
+
+def get_config(arg=None):
+  config = Config().to_configdict()
+  config.sim = simulate_vllm.simulation(QWEN3_32B['name'], 'h100-sxm')
+  config.sim.shape = ml_collections.ConfigDict(QWEN3_32B)  # the model (`model` names it only)
+  config.sim.num_blocks = KV_TOKENS // BLOCK_SIZE + 1  # + the null block
+  config.mesh.model = 2
+  config.pool.block_size = BLOCK_SIZE
+  config.pool.num_blocks = config.sim.num_blocks
+  config.prefix_cache.enabled = True
+  config.engine.max_seq_len = 8192
+  config.engine.max_batch_size = 128
+  config.engine.prefill_chunk = 512
+  config.scheduler.max_num_batched_tokens = 4096
+  config.workload = ml_collections.ConfigDict(dict(
+      tenants=150, prefix_tokens=6000, users_per_tenant=5, question_tokens=1200,
+      output_tokens=128, rates=(3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0), stage_s=6.0,
+      token_range=256, seed=0))
+  config.cluster = ml_collections.ConfigDict(dict(
+      replicas=8, routers=router_rows(),
+      # the routing-cost measurement: every router deciding over this many replicas whose KV
+      # index holds each tenant's prefix on `routing_copies` of them, `routing_requests` times
+      routing_replicas=16, routing_copies=2, routing_requests=300,
+      route_goal_ms=1.0))
+  if arg == 'tiny':
+    config.sim.model = 'Llama-3-8B'
+    config.sim.shape = ml_collections.ConfigDict(dict(
+        name='Llama-3-8B', num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, ffn_dim=14336, vocab_size=128256, tie_embeddings=False, max_seq_len=8192))
+    config.mesh.model = 1
+    config.pool.block_size = 16
+    config.sim.num_blocks = config.pool.num_blocks = 97  # 1,536 tokens per replica
+    config.engine.update(dict(max_seq_len=1024, max_batch_size=16, prefill_chunk=128))
+    config.scheduler.max_num_batched_tokens = 512
+    config.workload.update(dict(tenants=12, prefix_tokens=256, users_per_tenant=2,
+                                question_tokens=64, output_tokens=8, rates=(20.0, 80.0),
+                                stage_s=0.5))
+    config.cluster.update(dict(replicas=4, routing_replicas=4, routing_requests=20))
+  elif arg:
+    raise ValueError(f'configs/cluster.py: unknown variant {arg!r}; allowed: tiny')
+  return config

@@ -1,0 +1,111 @@
+"""A cluster-wide KV index: which replica holds which block in which tier, kept from KV events.
+
+Each replica's engine announces what its caches store and drop (pagedjax/host/kv_events.py);
+`KVIndex.apply(replica, batch)` folds a batch in. A block is named by its chain key
+(prefix_cache.block_key), which covers the whole prefix up to it, so a router that computes a
+prompt's chain keys (`prompt_keys`) with the engines' block size and salt asks `match` how long
+a prefix each replica holds, and in which tier each block of it sits: the precise routers
+(routers.py) read this, as llm-d's kv-cache indexer and Dynamo's KV router do for vLLM.
+
+The index is exact as of the last batch applied: events of a replica's iteration in flight are
+not in yet (a real indexer reads them off a queue, later still). Plain host Python (no jax).
+"""
+import collections
+from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
+
+from pagedjax.host import kv_events
+from pagedjax.host.prefix_cache import chain_keys
+
+# bit (1 << tier) per medium; a block may sit in several tiers at once (tiers are inclusive)
+_BIT = {m: 1 << t for m, t in kv_events.TIER_OF_MEDIUM.items()}
+_ALL = sum(_BIT.values())
+# the best (fastest, lowest-numbered) tier of a mask of tier bits
+_BEST = {mask: min(t for t in kv_events.MEDIUM_OF_TIER if mask >> t & 1)
+         for mask in range(2, _ALL + 1) if mask & _ALL == mask and mask}
+
+
+def prompt_keys(token_ids: Seq[int], block_size: int, salt: Optional[str] = None) -> List[int]:
+  """The chain keys of a prompt's full blocks, as the engines compute them."""
+  return chain_keys(token_ids, block_size, len(token_ids) // block_size, salt)
+
+
+class KVIndex:
+
+  def __init__(self):
+    self._holders: Dict[int, Dict[int, int]] = {}  # key -> replica -> mask of tier bits
+    self._keys: Dict[int, Dict[str, set]] = collections.defaultdict(
+        lambda: {m: set() for m in kv_events.MEDIA})  # replica -> medium -> keys
+    self.events_applied = 0
+
+  def apply(self, replica: int,
+            events: Union[kv_events.KVEventBatch, Iterable[kv_events.KVEvent]]) -> None:
+    """Folds one replica's events in, in order."""
+    if isinstance(events, kv_events.KVEventBatch):
+      events = events.events
+    for event in events:
+      self.events_applied += 1
+      if isinstance(event, kv_events.BlockStored):
+        self._store(replica, event.medium or kv_events.MEDIUM_GPU, event.block_hashes)
+      elif isinstance(event, kv_events.BlockRemoved):
+        self._remove(replica, event.medium or kv_events.MEDIUM_GPU, event.block_hashes)
+      elif isinstance(event, kv_events.AllBlocksCleared):
+        for medium in [event.medium] if event.medium else kv_events.MEDIA:
+          self._remove(replica, medium, list(self._keys[replica][medium]))
+      else:
+        raise TypeError(f'event {event!r} is not allowed: a kv_events.BlockStored, '
+                        'BlockRemoved or AllBlocksCleared')
+
+  def _store(self, replica: int, medium: str, keys) -> None:
+    bit, mine = _BIT[medium], self._keys[replica][medium]
+    for key in keys:
+      holders = self._holders.setdefault(key, {})
+      holders[replica] = holders.get(replica, 0) | bit
+      mine.add(key)
+
+  def _remove(self, replica: int, medium: str, keys) -> None:
+    bit, mine = _BIT[medium], self._keys[replica][medium]
+    for key in keys:
+      holders = self._holders.get(key)
+      if holders is None or replica not in holders:
+        continue  # removed twice, or stored before the index started listening
+      mask = holders[replica] & ~bit
+      if mask:
+        holders[replica] = mask
+      else:
+        del holders[replica]
+        if not holders:
+          del self._holders[key]
+      mine.discard(key)
+
+  def match(self, keys: Seq[int]) -> Dict[int, List[int]]:
+    """replica -> the tiers (1 device, 2 host RAM, 3 disk: the best one each) of the blocks of
+    the longest prefix of `keys` it holds; replicas holding none are left out."""
+    out: Dict[int, List[int]] = {}
+    alive: Optional[Dict[int, List[int]]] = None
+    for key in keys:
+      holders = self._holders.get(key)
+      if not holders:
+        break
+      if alive is None:
+        alive = {r: [] for r in holders}
+      for r in list(alive):
+        mask = holders.get(r)
+        if mask is None:
+          out[r] = alive.pop(r)
+        else:
+          alive[r].append(_BEST[mask])
+      if not alive:
+        break
+    out.update(alive or {})
+    return out
+
+  def num_blocks(self, replica: int, medium: str = kv_events.MEDIUM_GPU) -> int:
+    return len(self._keys[replica][medium]) if replica in self._keys else 0
+
+  def holders(self, key: int) -> Dict[int, List[int]]:
+    """replica -> the tiers holding this block there."""
+    return {r: [t for t in kv_events.MEDIUM_OF_TIER if mask >> t & 1]
+            for r, mask in self._holders.get(key, {}).items()}
+
+  def __len__(self) -> int:
+    return len(self._holders)

@@ -1,0 +1,306 @@
+"""Routers: which replica serves a request, as plug-in policies (plain host Python, no jax).
+
+A router sees the request (`RouteRequest`: its prompt's token ids, salt, length) and one
+`ReplicaState` per replica (load figures the cluster keeps up to date, sim.py) and returns a
+replica index. Some also keep what they learn: `routed(request, replica)` after each decision.
+
+  random        uniformly at random (seeded)
+  round_robin   in turn
+  least_loaded  the smallest load: `metric='tokens'` (queued prompt tokens still to prefill +
+                context tokens of running sequences), 'kv' (fraction of KV blocks held) or
+                'requests' (waiting + running)
+  approx_prefix what the router saw of earlier prompts (SGLang's cache-aware router, Ray
+                Serve's PrefixCacheAffinityRouter): a tree (here a chain of block keys) of the
+                prompts routed to each replica, LRU-trimmed to what a replica could hold. If
+                the load is imbalanced (max - min requests above `balance_abs` and max above
+                `balance_rel` x min) the least loaded replica; else the replica whose remembered
+                prompts share the longest prefix, if it covers `match_threshold` of the prompt;
+                else the least loaded.
+  precise       what the replicas report holding (index.KVIndex, kept from their KV events;
+                llm-d's precise prefix-cache scorer, Dynamo's KV router): score = w_prefix x
+                (tier-weighted fraction of the prompt's blocks held, as a prefix) + w_kv x (1 -
+                KV use) + w_queue x (1 - requests / the most any replica has); the best score.
+  tier_cost     the least expected time to first token (host/tier_cost.py's cost model):
+                queued prefill work x prefill rate + the part of the prompt not held x prefill
+                rate + loading the held part from its tiers (each block from its best tier; the
+                promotion rule's cheapest split of load vs recompute).
+
+`make_router(name, **kwargs)` builds one by registry name or 'package.module:Class' (any class
+with `route(request, replicas) -> int`); `register(name)` adds a class to the registry.
+"""
+import collections
+import dataclasses
+import importlib
+import math
+import random as random_lib
+from typing import Callable, Dict, List, Optional, Sequence as Seq
+
+from pagedjax.cluster.index import KVIndex, prompt_keys
+from pagedjax.host import tier_cost
+
+ROUTERS: Dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+  def add(cls: type) -> type:
+    if name in ROUTERS:
+      raise ValueError(f'router {name!r} is already registered ({ROUTERS[name].__name__})')
+    ROUTERS[name] = cls
+    cls.name = name
+    return cls
+  return add
+
+
+def router_class(name: str) -> type:
+  """A registered router, or 'package.module:Class'."""
+  if name in ROUTERS:
+    return ROUTERS[name]
+  if ':' in name:
+    module, _, attr = name.partition(':')
+    try:
+      cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f'router {name!r} does not load: {e}') from None
+    if not callable(getattr(cls, 'route', None)):
+      raise ValueError(f'router {name!r} is not allowed: its class has no route(request, '
+                       'replicas) method')
+    return cls
+  raise ValueError(f'router {name!r} is not allowed: one of {", ".join(ROUTERS)}, or '
+                   "'package.module:Class'")
+
+
+def make_router(name: str, **kwargs):
+  return router_class(name)(**kwargs)
+
+
+@dataclasses.dataclass
+class RouteRequest:
+  """What a router sees of a request. Chain keys are computed once per block size (`keys`)."""
+  request_id: int
+  prompt_ids: Seq[int]
+  salt: Optional[str] = None
+  max_new_tokens: int = 0
+  _keys: Dict[object, List[int]] = dataclasses.field(default_factory=dict, repr=False)
+
+  def keys(self, block_size: int) -> List[int]:
+    if block_size not in self._keys:
+      self._keys[block_size] = prompt_keys(self.prompt_ids, block_size, self.salt)
+    return self._keys[block_size]
+
+
+@dataclasses.dataclass
+class ReplicaState:
+  """One replica's load, as the cluster last saw it (a real router scrapes these metrics)."""
+  index: int
+  capacity_blocks: int = 0  # KV blocks of its device pool
+  block_size: int = 16
+  num_waiting: int = 0
+  num_running: int = 0
+  queued_prefill_tokens: int = 0  # prompt tokens routed here and not computed yet (not cached)
+  running_tokens: int = 0  # context tokens of its running sequences
+  kv_usage: float = 0.0  # fraction of its blocks held by sequences
+  cost: Optional[tier_cost.CostModel] = None  # its prefill rate and tier transfer figures
+
+  @property
+  def num_requests(self) -> int:
+    return self.num_waiting + self.num_running
+
+  @property
+  def load_tokens(self) -> int:
+    return self.queued_prefill_tokens + self.running_tokens
+
+
+class Router:
+  """Base: `route` picks; `routed` is told the pick (routers that learn override it)."""
+  name = 'router'
+  index: Optional[KVIndex] = None  # routers that read the cluster's KV index set it
+
+  def route(self, request: RouteRequest, replicas: Seq[ReplicaState]) -> int:
+    raise NotImplementedError
+
+  def routed(self, request: RouteRequest, replica: int) -> None:
+    pass
+
+
+def _least(replicas: Seq[ReplicaState], load: Callable[[ReplicaState], float]) -> int:
+  """The replica of least load, the lowest index among equals."""
+  return min(replicas, key=lambda r: (load(r), r.index)).index
+
+
+@register('random')
+class RandomRouter(Router):
+
+  def __init__(self, seed: int = 0):
+    self._rng = random_lib.Random(seed)
+
+  def route(self, request, replicas):
+    return replicas[self._rng.randrange(len(replicas))].index
+
+
+@register('round_robin')
+class RoundRobinRouter(Router):
+
+  def __init__(self):
+    self._next = 0
+
+  def route(self, request, replicas):
+    pick = replicas[self._next % len(replicas)].index
+    self._next += 1
+    return pick
+
+
+LOAD_METRICS = {'tokens': lambda r: r.load_tokens, 'kv': lambda r: r.kv_usage,
+                'requests': lambda r: r.num_requests}
+
+
+def _load_metric(metric: str) -> Callable[[ReplicaState], float]:
+  if metric not in LOAD_METRICS:
+    raise ValueError(f'metric={metric!r} is not allowed: one of {", ".join(LOAD_METRICS)}')
+  return LOAD_METRICS[metric]
+
+
+@register('least_loaded')
+class LeastLoadedRouter(Router):
+
+  def __init__(self, metric: str = 'tokens'):
+    self.metric, self._load = metric, _load_metric(metric)
+
+  def route(self, request, replicas):
+    return _least(replicas, self._load)
+
+
+@register('approx_prefix')
+class ApproxPrefixRouter(Router):
+  """Prefix affinity from what this router routed (see the module docstring)."""
+
+  def __init__(self, block_size: int = 64, capacity_blocks: int = 0, match_threshold: float = 0.5,
+               balance_abs: int = 32, balance_rel: float = 1.5, load: str = 'requests'):
+    """block_size: tokens per remembered block (the router's own, not the engines').
+    capacity_blocks: remembered blocks per replica, LRU (0: the replica's KV capacity in these
+    blocks, from its ReplicaState)."""
+    if block_size < 1:
+      raise ValueError(f'block_size={block_size} is not allowed: >= 1')
+    if not 0 <= match_threshold <= 1:
+      raise ValueError(f'match_threshold={match_threshold} is not allowed: in [0, 1]')
+    self.block_size, self.capacity_blocks = block_size, capacity_blocks
+    self.match_threshold, self.balance_abs, self.balance_rel = (match_threshold, balance_abs,
+                                                                balance_rel)
+    self._load = _load_metric(load)
+    self._holders: Dict[int, set] = {}  # block key -> replicas it was routed to
+    self._lru: Dict[int, collections.OrderedDict] = collections.defaultdict(
+        collections.OrderedDict)  # replica -> its remembered keys, oldest first
+    self._capacity: Dict[int, int] = {}
+
+  def _keys(self, request: RouteRequest) -> List[int]:
+    """Chained keys of the prompt's full router blocks (Python's hash: this process only;
+    kept on the request for `routed`)."""
+    memo = ('approx', self.block_size)
+    if memo not in request._keys:  # pylint: disable=protected-access
+      ids, bs, keys, parent = request.prompt_ids, self.block_size, [], hash(request.salt)
+      for i in range(len(ids) // bs):
+        parent = hash((parent, tuple(ids[i * bs:(i + 1) * bs])))
+        keys.append(parent)
+      request._keys[memo] = keys  # pylint: disable=protected-access
+    return request._keys[memo]  # pylint: disable=protected-access
+
+  def route(self, request, replicas):
+    loads = [self._load(r) for r in replicas]
+    lo, hi = min(loads), max(loads)
+    for r in replicas:
+      self._capacity.setdefault(r.index, self.capacity_blocks or max(
+          1, r.capacity_blocks * r.block_size // self.block_size))
+    if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+      return _least(replicas, self._load)
+    keys = self._keys(request)
+    alive = {r.index for r in replicas}
+    matched = dict.fromkeys(alive, 0)
+    for i, key in enumerate(keys):
+      alive &= self._holders.get(key, set())
+      if not alive:
+        break
+      for r in alive:
+        matched[r] = i + 1
+    best = max(matched.values(), default=0)
+    if keys and best / len(keys) >= self.match_threshold and best:
+      return _least([r for r in replicas if matched[r.index] == best], self._load)
+    return _least(replicas, self._load)
+
+  def routed(self, request, replica):
+    keys = self._keys(request)
+    lru = self._lru[replica]
+    for key in reversed(keys):  # the first block most recent: trimming takes tails first
+      if key in lru:
+        lru.move_to_end(key)
+      else:
+        lru[key] = None
+        self._holders.setdefault(key, set()).add(replica)
+    capacity = self._capacity.get(replica, self.capacity_blocks or math.inf)
+    while len(lru) > capacity:
+      key, _ = lru.popitem(last=False)
+      holders = self._holders[key]
+      holders.discard(replica)
+      if not holders:
+        del self._holders[key]
+
+
+MEDIUM_WEIGHTS = {1: 1.0, 2: 0.8, 3: 0.5}  # what a held block counts for, by tier
+
+
+@register('precise')
+class PreciseRouter(Router):
+  """Scores replicas on what they report holding (see the module docstring)."""
+
+  def __init__(self, index: Optional[KVIndex] = None, block_size: int = 0, w_prefix: float = 3.0,
+               w_kv: float = 2.0, w_queue: float = 2.0, tier_weights: Optional[dict] = None):
+    """index: the cluster's KVIndex (the cluster sets it when None). block_size: the engines'
+    (0: the replicas' ReplicaState.block_size)."""
+    self.index, self.block_size = index, block_size
+    self.w_prefix, self.w_kv, self.w_queue = w_prefix, w_kv, w_queue
+    self.tier_weights = {**MEDIUM_WEIGHTS, **(tier_weights or {})}
+
+  def route(self, request, replicas):
+    keys = request.keys(self.block_size or replicas[0].block_size)
+    held = self.index.match(keys) if keys else {}
+    most = max(r.num_requests for r in replicas) or 1
+    w = self.tier_weights
+
+    def score(r: ReplicaState) -> float:
+      tiers = held.get(r.index, ())
+      prefix = sum(w[t] for t in tiers) / len(keys) if keys else 0.0
+      return (self.w_prefix * prefix + self.w_kv * (1 - r.kv_usage) +
+              self.w_queue * (1 - r.num_requests / most))
+    return max(replicas, key=lambda r: (score(r), -r.index)).index
+
+
+@register('tier_cost')
+class TierCostRouter(Router):
+  """The least expected TTFT by the tier cost model (see the module docstring)."""
+
+  def __init__(self, index: Optional[KVIndex] = None, block_size: int = 0,
+               prefill_s_per_token: float = 0.0):
+    """prefill_s_per_token: used for replicas whose ReplicaState has no cost model."""
+    self.index, self.block_size = index, block_size
+    self.prefill_s_per_token = prefill_s_per_token
+
+  def expected_ttft_s(self, request: RouteRequest, replica: ReplicaState,
+                      tiers: Seq[int]) -> float:
+    """Queued prefill, then this prompt: its held blocks loaded or recomputed (the promotion
+    rule's cheapest split: device blocks cost nothing), the rest prefilled."""
+    cost = replica.cost
+    per_token = cost.prefill_s_per_token if cost is not None else self.prefill_s_per_token
+    bs = self.block_size or replica.block_size
+    held_tokens = len(tiers) * bs
+    own = (len(request.prompt_ids) - held_tokens) * per_token
+    below = [t for t in tiers if t > 1]
+    if below and cost is not None:
+      j = cost.blocks_to_load(below, 'auto')
+      own += cost.load_s(below[:j]) + cost.recompute_s(len(below) - j)
+    elif below:
+      own += len(below) * bs * per_token  # no transfer figures: recompute
+    return replica.queued_prefill_tokens * per_token + own
+
+  def route(self, request, replicas):
+    keys = request.keys(self.block_size or replicas[0].block_size)
+    held = self.index.match(keys) if keys else {}
+    return min(replicas, key=lambda r: (self.expected_ttft_s(request, r, held.get(r.index, ())),
+                                        r.load_tokens, r.index)).index

@@ -1,0 +1,249 @@
+"""A simulated cluster: N replicas, each the real engine host code on a simulated device
+(pagedjax/sim), on one event clock behind a router.
+
+Each replica is an Engine with its own clock (simulated seconds, pagedjax/sim/simulated_device.py).
+`SimulatedCluster.run(requests)` replays a trace of `ClusterRequest`s in time order; the next
+event is whichever comes first:
+  an arrival      the router picks a replica (its decision timed on this machine's clock:
+                  that is the routing cost a real router would add), the request is submitted
+                  there with its arrival time, and the replica's state counts it as queued
+  an iteration    the replica whose clock is earliest among those with work runs one engine
+                  step; then its KV events (host/kv_events.py) go into the cluster's KVIndex
+                  (index.py), as a per-iteration publication would, and its ReplicaState is
+                  refreshed from the engine
+So a replica never runs ahead of an arrival it could have seen, and a router sees each replica
+as of its last iteration. Replicas are independent otherwise (no shared host tier).
+
+Queued prefill work (ReplicaState.queued_prefill_tokens): for each request routed to a replica
+and not yet prefilled, the prompt tokens its device cache did not hold at routing time, and for
+running ones what is left of their prompt. Figures (`figures`): per replica and for the cluster,
+the prefix hit rate by tier, TTFT and TPOT p50/p90/p99, throughput, load imbalance (max / mean
+of requests and of prompt tokens computed per replica), and the router's decision time.
+"""
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence as Seq
+
+import numpy as np
+
+from pagedjax.cluster.index import KVIndex
+from pagedjax.cluster.routers import ReplicaState, RouteRequest, Router
+from pagedjax.host import kv_events
+from pagedjax.host.intake import RequestError
+from pagedjax.host.sampling_params import SamplingParams
+
+QUANTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass
+class ClusterRequest:
+  request_id: int
+  prompt_ids: List[int]
+  max_new_tokens: int
+  arrival_time: float
+  salt: Optional[str] = None
+  label: object = None  # e.g. the load stage it belongs to (figures group by it)
+  tenant: Optional[int] = None  # who sent it (workload bookkeeping; routers never see it)
+  user: Optional[int] = None
+
+
+@dataclasses.dataclass
+class Outcome:
+  """One finished request: where it ran and its times (simulated seconds)."""
+  request_id: int
+  replica: int
+  label: object
+  arrival_time: float
+  first_token_time: float
+  finish_time: float
+  prompt_len: int
+  output_len: int
+  cached_at_routing: int  # prompt tokens its replica's device cache held when it was routed
+  route_s: float  # the router's decision, wall seconds on this machine
+
+  @property
+  def ttft_s(self) -> float:
+    return self.first_token_time - self.arrival_time
+
+  @property
+  def tpot_s(self) -> Optional[float]:
+    if self.output_len < 2:
+      return None
+    return (self.finish_time - self.first_token_time) / (self.output_len - 1)
+
+
+class Replica:
+  """One engine, its KV event log and the state a router sees."""
+
+  def __init__(self, index: int, engine, cost=None):
+    if engine.prefix_cache is None:
+      raise ValueError(f'replica {index}: a cluster replica needs prefix_cache.enabled=True '
+                       '(routing by prefix is what the cluster studies)')
+    self.index, self.engine = index, engine
+    self.log = kv_events.EventLog(engine.prefix_cache.events, rank=index)
+    self.state = ReplicaState(index, capacity_blocks=engine.allocator.num_blocks - 1,
+                              block_size=engine.block_size, cost=cost)
+    self.requests: Dict[int, tuple] = {}  # engine request id -> (ClusterRequest, cached, route_s)
+    self.routed = 0
+
+  def has_work(self) -> bool:
+    return self.engine.has_work()
+
+  def device_prefix_tokens(self, request: RouteRequest) -> int:
+    """Prompt tokens whose blocks this replica's device cache holds now (as its next admission
+    would find them, short of a hash collision)."""
+    cache, n = self.engine.prefix_cache, 0
+    for key in request.keys(self.engine.block_size):
+      if cache.block_of(key) is None:
+        break
+      n += 1
+    return min(n * self.engine.block_size, len(request.prompt_ids) - 1)
+
+  def submit(self, request: ClusterRequest, route: RouteRequest, route_s: float) -> None:
+    cached = self.device_prefix_tokens(route)
+    local = self.engine.submit(request.prompt_ids, SamplingParams(
+        max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
+                               arrival_time=request.arrival_time)
+    self.requests[local] = (request, cached, route_s)
+    self.routed += 1
+    self.state.num_waiting += 1
+    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached
+
+  def step(self, index: KVIndex) -> list:
+    done = self.engine.step()
+    batch = self.log.drain(self.engine.clock)
+    if batch is not None:
+      index.apply(self.index, batch)
+    self.refresh()
+    return done
+
+  def refresh(self) -> None:
+    """The ReplicaState from the engine (what a metrics scrape would read)."""
+    e, s = self.engine, self.state
+    waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
+    s.num_waiting, s.num_running = len(waiting), len(e.running)
+    queued = sum(len(seq.prompt_ids) - self.requests[seq.request_id][1] for seq in waiting
+                 if seq.request_id in self.requests)
+    queued += sum(max(0, len(seq.prompt_ids) - seq.num_cached) for seq in e.running)
+    s.queued_prefill_tokens = queued
+    s.running_tokens = sum(seq.num_cached for seq in e.running)
+    s.kv_usage = e.allocator.num_used / s.capacity_blocks  # held by sequences (or pinned)
+
+
+class SimulatedCluster:
+
+  def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None):
+    """engines: simulated (or real) engines with prefix caching; costs: each one's
+    tier_cost.CostModel for routers that weigh costs (None: ReplicaState.cost stays None)."""
+    if not engines:
+      raise ValueError('a cluster needs at least one replica')
+    self.replicas = [Replica(i, e, costs[i] if costs else None) for i, e in enumerate(engines)]
+    self.router, self.index = router, KVIndex()
+    if getattr(router, 'index', False) is None:
+      router.index = self.index  # routers that read the KV index read the cluster's
+    self.outcomes: List[Outcome] = []
+    self.rejected: List[tuple] = []  # (request id, replica, error) refused at submission
+    self.wall_s = 0.0
+
+  def run(self, requests: Seq[ClusterRequest]) -> List[Outcome]:
+    start = time.perf_counter()
+    pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
+    states = [r.state for r in self.replicas]
+    i = 0
+    while True:
+      busy = [r for r in self.replicas if r.has_work()]
+      next_arrival = pending[i].arrival_time if i < len(pending) else None
+      if next_arrival is None and not busy:
+        break
+      first = min(busy, key=lambda r: (r.engine.clock, r.index)) if busy else None
+      if next_arrival is not None and (first is None or next_arrival <= first.engine.clock):
+        self._route(pending[i], states)
+        i += 1
+      else:
+        for c in first.step(self.index):
+          self._finished(first, c)
+    self.wall_s = time.perf_counter() - start
+    return self.outcomes
+
+  def _route(self, request: ClusterRequest, states) -> None:
+    route = RouteRequest(request.request_id, request.prompt_ids, request.salt,
+                         request.max_new_tokens)
+    t0 = time.perf_counter()
+    pick = self.router.route(route, states)
+    self.router.routed(route, pick)
+    route_s = time.perf_counter() - t0
+    try:
+      self.replicas[pick].submit(request, route, route_s)
+    except RequestError as e:
+      self.rejected.append((request.request_id, pick, str(e)))
+
+  def _finished(self, replica: Replica, c) -> None:
+    request, cached, route_s = replica.requests.pop(c.request_id)
+    self.outcomes.append(Outcome(
+        request.request_id, replica.index, request.label, c.arrival_time, c.first_token_time,
+        c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s))
+
+  # ---- figures -----------------------------------------------------------------------------
+
+  def figures(self, outcomes: Optional[Seq[Outcome]] = None) -> dict:
+    """Cluster figures over `outcomes` (default: all), with the replicas' cache figures."""
+    outcomes = self.outcomes if outcomes is None else outcomes
+    out = latency_figures(outcomes)
+    summaries = [r.engine.summary() for r in self.replicas]
+    queried = sum(s['prefix_queried_tokens'] for s in summaries)
+    out['prefix_hit_rate_tokens'] = (sum(s['prefix_hit_tokens'] for s in summaries) / queried
+                                     if queried else None)
+    for tier in (2, 3):  # lower tiers, when the replicas have them (a simulated pool has none)
+      blocks = sum(s.get(f'tiers_tier{tier}_hit_blocks', 0) or 0 for s in summaries)
+      out[f'hit_rate_tier{tier}_tokens'] = (blocks * self.replicas[0].engine.block_size /
+                                           queried if queried else None)
+    out['hit_rate_tier1_tokens'] = out['prefix_hit_rate_tokens']
+    computed = [s['prompt_tokens_computed'] for s in summaries]
+    routed = [r.routed for r in self.replicas]
+    out.update(
+        replicas=len(self.replicas), router=self.router.name,
+        prompt_tokens_computed=int(sum(computed)),
+        imbalance_requests=_max_over_mean(routed), imbalance_prefill=_max_over_mean(computed),
+        rejected_requests=len(self.rejected), simulator_wall_s=self.wall_s,
+        kv_index_events=self.index.events_applied)
+    return out
+
+  def replica_figures(self) -> List[dict]:
+    rows = []
+    for r in self.replicas:
+      s = r.engine.summary()
+      mine = [o for o in self.outcomes if o.replica == r.index]
+      rows.append(dict(replica=r.index, requests=r.routed,
+                       prefix_hit_rate_tokens=s['prefix_hit_rate_tokens'],
+                       prompt_tokens_computed=s['prompt_tokens_computed'],
+                       prefix_cache_evictions=s['prefix_cache_evictions'],
+                       preemptions=s.get('preemptions', 0), **latency_figures(mine)))
+    return rows
+
+
+def _max_over_mean(values) -> Optional[float]:
+  mean = float(np.mean(values)) if len(values) else 0.0
+  return float(np.max(values)) / mean if mean else None
+
+
+def latency_figures(outcomes: Seq[Outcome]) -> dict:
+  """TTFT / TPOT quantiles, throughput and routing time over some finished requests."""
+  out = {'finished_requests': len(outcomes)}
+  ttft = [o.ttft_s for o in outcomes]
+  tpot = [o.tpot_s for o in outcomes if o.tpot_s is not None]
+  route = [o.route_s for o in outcomes]
+  for name, values in (('ttft', ttft), ('tpot', tpot)):
+    for q in QUANTILES:
+      out[f'{name}_p{q}_s'] = float(np.percentile(values, q)) if values else None
+  out['ttft_mean_s'] = float(np.mean(ttft)) if ttft else None
+  if outcomes:
+    span = max(o.finish_time for o in outcomes) - min(o.arrival_time for o in outcomes)
+    generated = sum(o.output_len for o in outcomes)
+    out['generated_tokens_per_s'] = generated / span if span > 0 else None
+    out['requests_per_s'] = len(outcomes) / span if span > 0 else None
+    cached = sum(o.cached_at_routing for o in outcomes)
+    out['cached_at_routing_fraction'] = cached / sum(o.prompt_len for o in outcomes)
+  for q in (50, 99):
+    out[f'route_p{q}_ms'] = float(np.percentile(route, q)) * 1e3 if route else None
+  out['route_max_ms'] = max(route) * 1e3 if route else None
+  return out

@@ -1,0 +1,165 @@
+"""Routers and the cluster KV index (pagedjax/cluster/): each policy's decision on hand-built
+replica states, the index's view after stored / removed / cleared events, the tier-cost
+router's expected TTFT against the formula, the registry, and that none of it needs jax."""
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pagedjax.cluster import routers
+from pagedjax.cluster.index import KVIndex, prompt_keys
+from pagedjax.host import kv_events
+from pagedjax.host.tier_cost import CostModel
+
+BS = 4
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def states(n=3, **fields):
+  return [routers.ReplicaState(i, capacity_blocks=64, block_size=BS,
+                               **{k: v[i] for k, v in fields.items()}) for i in range(n)]
+
+
+def request(ids, rid=0, salt=None):
+  return routers.RouteRequest(rid, list(ids), salt)
+
+
+def stored(keys, medium='GPU'):
+  return [kv_events.BlockStored((k,), None, (), BS, None, medium) for k in keys]
+
+
+PROMPT = list(range(40))  # 10 full blocks
+KEYS = prompt_keys(PROMPT, BS)
+
+
+def test_index_follows_events_and_matches_longest_prefix_with_best_tier():
+  index = KVIndex()
+  index.apply(0, stored(KEYS[:6]))
+  index.apply(1, stored(KEYS[:3]) + stored(KEYS[:8], 'CPU'))
+  index.apply(2, stored(KEYS[1:5]))  # no first block: holds no prefix
+  assert index.match(KEYS) == {0: [1] * 6, 1: [1, 1, 1, 2, 2, 2, 2, 2]}
+  index.apply(1, [kv_events.BlockRemoved((KEYS[1],), 'GPU')])
+  assert index.match(KEYS)[1] == [1, 2, 1, 2, 2, 2, 2, 2] and index.holders(KEYS[1]) == {0: [1], 1: [2], 2: [1]}
+  index.apply(0, kv_events.KVEventBatch(1.0, (kv_events.BlockRemoved((KEYS[2],), 'GPU'),)))
+  assert index.match(KEYS)[0] == [1, 1]
+  index.apply(1, [kv_events.AllBlocksCleared('CPU')])
+  assert index.match(KEYS)[1] == [1] and index.num_blocks(1, 'CPU') == 0
+  index.apply(0, [kv_events.AllBlocksCleared()])
+  assert 0 not in index.match(KEYS) and index.num_blocks(0) == 0
+  index.apply(0, [kv_events.BlockRemoved((KEYS[0],), 'GPU')])  # removed twice: ignored
+  with pytest.raises(TypeError, match='BlockStored'):
+    index.apply(0, ['not an event'])
+  assert index.match(prompt_keys(PROMPT, BS, salt='other tenant')) == {}
+
+
+def test_random_and_round_robin():
+  s = states(4)
+  draws = [[r.route(request(PROMPT), s) for _ in range(50)]
+           for r in (routers.make_router('random', seed=3), routers.make_router('random', seed=3))]
+  assert draws[0] == draws[1] and set(draws[0]) == {0, 1, 2, 3}  # seeded, and covers them all
+  rr = routers.make_router('round_robin')
+  assert [rr.route(request(PROMPT), s) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+@pytest.mark.parametrize('metric,expected', [('tokens', 2), ('kv', 0), ('requests', 1)])
+def test_least_loaded_metrics(metric, expected):
+  s = states(3, queued_prefill_tokens=[500, 0, 10], running_tokens=[500, 900, 10],
+             kv_usage=[0.1, 0.5, 0.9], num_running=[4, 1, 3])
+  assert routers.make_router('least_loaded', metric=metric).route(request(PROMPT), s) == expected
+
+
+def test_approx_prefix_affinity_balance_and_forgetting():
+  r = routers.make_router('approx_prefix', block_size=BS, match_threshold=0.5, balance_abs=4,
+                          balance_rel=1.5, capacity_blocks=12)
+  s = states(3, num_running=[2, 1, 0])
+  first = r.route(request(PROMPT), s)
+  assert first == 2  # nothing remembered: least loaded
+  r.routed(request(PROMPT), first)
+  s[2].num_running = 2  # now busier than replica 1, but it holds the prefix
+  assert r.route(request(PROMPT + [7, 7, 7, 7]), s) == 2
+  other = [1000 + t for t in PROMPT]
+  assert r.route(request(PROMPT[:8] + other), s) == 1  # 2 of 12 blocks: below the threshold
+  s[2].num_running = 9  # imbalanced: max - min > 4 and max > 1.5 x min
+  assert r.route(request(PROMPT), s) == 1
+  s[2].num_running = 2
+  r.routed(request(other), 2)  # 10 more blocks on replica 2: over its 12, the oldest go
+  assert r.route(request(PROMPT), s) == 1  # only PROMPT's first 2 blocks are left there
+
+
+def test_precise_prefers_held_prefix_then_device_tier_then_load():
+  index = KVIndex()
+  index.apply(0, stored(KEYS[:2]))
+  index.apply(1, stored(KEYS, 'CPU'))
+  index.apply(2, stored(KEYS))
+  r = routers.make_router('precise', index=index)
+  s = states(3)
+  assert r.route(request(PROMPT), s) == 2  # all blocks on the device
+  index.apply(2, [kv_events.AllBlocksCleared()])
+  assert r.route(request(PROMPT), s) == 1  # all in host RAM beats two on the device
+  s[1].kv_usage, s[1].num_running = 1.0, 10  # full and the busiest: load outweighs the prefix
+  assert r.route(request(PROMPT), s) == 0  # and two blocks held beat none
+  assert r.route(request([99] * 3), states(3, num_running=[3, 1, 2])) == 1  # no full block
+
+
+def test_tier_cost_expected_ttft_is_the_formula():
+  cost = CostModel.for_tiers(BS, block_bytes=1000, prefill_s_per_token=1e-3, host=(1e5, 0.002),
+                             disk=(1e4, 0.01))
+  index = KVIndex()
+  index.apply(0, stored(KEYS[:4]) + stored(KEYS[:8], 'CPU'))
+  index.apply(1, stored(KEYS, 'DISK'))
+  r = routers.make_router('tier_cost', index=index)
+  s = states(3, queued_prefill_tokens=[100, 0, 0])
+  for state in s:
+    state.cost = cost
+  held = index.match(KEYS)
+  # replica 0: 100 queued + 8 prompt tokens not held; 4 host blocks: load (2 ms + 4 x 10 ms) vs
+  # recompute 16 ms: recomputed
+  assert math.isclose(r.expected_ttft_s(request(PROMPT), s[0], held[0]), 0.1 + 0.008 + 0.016)
+  # replica 1: every block on disk, each 1000 B / (1/(1/1e4 + 1/1e5)) = 0.11 s: recompute all
+  assert math.isclose(r.expected_ttft_s(request(PROMPT), s[1], held[1]), 0.040)
+  assert r.route(request(PROMPT), s) == 1  # ties with replica 2 (holds nothing) go to less load
+  s[1].running_tokens = 5
+  assert r.route(request(PROMPT), s) == 2
+  s[0].queued_prefill_tokens = 0
+  assert r.route(request(PROMPT), s) == 0  # 8 ms + 16 ms (host blocks recomputed) < 40 ms
+  fast_host = CostModel.for_tiers(BS, 1000, 1e-3, host=(1e9, 0.0), disk=(1e4, 0.01))
+  s[0].cost = fast_host
+  assert math.isclose(r.expected_ttft_s(request(PROMPT), s[0], held[0]), 0.008 + 4e-6)  # loaded
+
+
+def test_registry():
+  assert set(routers.ROUTERS) >= {'random', 'round_robin', 'least_loaded', 'approx_prefix',
+                                  'precise', 'tier_cost'}
+  cls = routers.router_class('pagedjax.cluster.routers:RoundRobinRouter')
+  assert cls is routers.RoundRobinRouter
+  with pytest.raises(ValueError, match="router 'nearest' is not allowed: one of random"):
+    routers.make_router('nearest')
+  with pytest.raises(ValueError, match='does not load'):
+    routers.make_router('pagedjax.cluster.routers:Nope')
+  with pytest.raises(ValueError, match='no route'):
+    routers.make_router('pagedjax.cluster.index:KVIndex')
+  with pytest.raises(ValueError, match='already registered'):
+    routers.register('random')(routers.RandomRouter)
+  with pytest.raises(ValueError, match="metric='hops'"):
+    routers.make_router('least_loaded', metric='hops')
+  with pytest.raises(ValueError, match='match_threshold=2'):
+    routers.make_router('approx_prefix', match_threshold=2)
+
+
+def test_routers_and_index_import_without_jax():
+  code = '''
+import importlib, sys
+BLOCKED = ('jax', 'jaxlib', 'flax', 'kernels', 'pagedjax.device', 'pagedjax.model', 'torch')
+class Refuse:
+  def find_spec(self, name, path=None, target=None):
+    if any(name == b or name.startswith(b + '.') for b in BLOCKED):
+      raise ImportError(f'router code imported {name}')
+sys.meta_path.insert(0, Refuse())
+import pagedjax.cluster.routers, pagedjax.cluster.index
+print('ok')
+'''
+  out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       check=False)
+  assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr
