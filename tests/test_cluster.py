@@ -1,0 +1,95 @@
+"""The simulated cluster (pagedjax/cluster/sim.py) and its study (experiments/cluster.py), on the
+tiny config: the KV index kept from events equals every replica's device cache after a run,
+every request finishes once on the replica it was routed to and after it arrived, prefix-aware
+routing finds more of each prompt cached than random routing, and the study writes its files."""
+import functools
+import json
+import os
+
+import pytest
+
+from configs import cluster as cluster_config
+from experiments import cluster as study_lib
+from pagedjax.cluster import routers
+from pagedjax.cluster.sim import SimulatedCluster
+from pagedjax.config import ConfigError
+
+
+def config():
+  return cluster_config.get_config('tiny')
+
+
+@functools.lru_cache(maxsize=None)
+def trace():
+  return tuple(study_lib.make_trace(config()))
+
+
+@functools.lru_cache(maxsize=None)
+def run(router: str) -> SimulatedCluster:
+  cfg = config()
+  engines, costs = study_lib.make_engines(cfg, cfg.cluster.replicas)
+  cluster = SimulatedCluster(engines, routers.make_router(router), costs)
+  cluster.run(trace())
+  return cluster
+
+
+@pytest.mark.parametrize('router', ['precise', 'random'])
+def test_every_request_finishes_once_where_it_was_routed(router):
+  cluster = run(router)
+  outcomes = cluster.outcomes
+  assert sorted(o.request_id for o in outcomes) == [r.request_id for r in trace()]
+  assert not cluster.rejected
+  assert sum(r.routed for r in cluster.replicas) == len(trace())
+  by_replica = [sum(o.replica == r.index for o in outcomes) for r in cluster.replicas]
+  assert by_replica == [r.routed for r in cluster.replicas]
+  assert all(o.first_token_time > o.arrival_time and o.finish_time >= o.first_token_time
+             for o in outcomes)
+  assert all(o.output_len == config().workload.output_tokens for o in outcomes)
+
+
+def test_kv_index_equals_each_replica_device_cache():
+  cluster = run('precise')
+  for r in cluster.replicas:
+    cache, engine = r.engine.prefix_cache, r.engine
+    device = {cache.entry(b)[0] for b in range(1, engine.allocator.num_blocks)
+              if cache.is_cached(b)}
+    assert {k for k in device if r.index in cluster.index.holders(k)} == device
+    assert cluster.index.num_blocks(r.index) == len(device)
+    assert engine.summary()['prefix_cache_evictions'] > 0  # the index followed evictions too
+
+
+def test_prefix_aware_routing_finds_more_cached_than_random():
+  precise, rand = run('precise').figures(), run('random').figures()
+  assert precise['prefix_hit_rate_tokens'] > rand['prefix_hit_rate_tokens'] + 0.2
+  assert precise['cached_at_routing_fraction'] > rand['cached_at_routing_fraction'] + 0.2
+  assert precise['prompt_tokens_computed'] < rand['prompt_tokens_computed']
+  assert precise['route_p99_ms'] is not None and precise['kv_index_events'] > 0
+
+
+def test_study_writes_its_files(tmp_path):
+  cfg = config()
+  cfg.cluster.routers = [r for r in cfg.cluster.routers if r[0] in study_lib.ORDER]
+  study_lib.check(cfg)
+  summary = study_lib.study(cfg, str(tmp_path))
+  for name in ('stages.csv', 'routers.csv', 'replicas.csv', 'table.md', 'cluster.png',
+               'summary.json'):
+    assert os.path.getsize(tmp_path / name) > 0, name
+  saved = json.loads((tmp_path / 'summary.json').read_text())
+  assert saved['simulated'] and [o['rate'] for o in saved['ordering']] == [20.0, 80.0]
+  assert {o['router'] for o in summary['routers']} == set(study_lib.ORDER)
+  assert saved['routing_cost']['replicas'] == cfg.cluster.routing_replicas
+
+
+def test_check_names_the_bad_field():
+  cfg = config()
+  cfg.workload.rates = ()
+  with pytest.raises(ConfigError, match=r'workload\.rates=\(\) is not allowed'):
+    study_lib.check(cfg)
+  cfg = config()
+  cfg.cluster.routers = [['mine', 'nearest', {}]]
+  with pytest.raises(ConfigError, match=r"cluster\.routers\['mine'\]='nearest'.*one of random"):
+    study_lib.check(cfg)
+  cfg = config()
+  cfg.workload.prefix_tokens = 4000
+  with pytest.raises(ConfigError, match='at most engine.max_seq_len=1024'):
+    study_lib.check(cfg)
