@@ -11,6 +11,9 @@ setup(
     # Every subpackage of the library and the kernels; tests, experiments and configs run from
     # the repo and are not installed (tests/test_packaging.py builds a wheel and checks).
     packages=find_packages(include=['pagedjax', 'pagedjax.*', 'kernels', 'kernels.*']),
+    # The native CPU kernel's C++ sources: kernels/cpu.py compiles them at first use (into
+    # ~/.cache/pagedjax/kernels, against the installed jaxlib's FFI headers), not at install.
+    package_data={'kernels': ['csrc/*.cc', 'csrc/*.inc']},
     python_requires='>=3.11',
     install_requires=[line.strip() for line in open('requirements.txt')
                       if line.strip() and not line.startswith('#')],

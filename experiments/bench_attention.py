@@ -1,33 +1,30 @@
 """Paged attention paths vs attention over a contiguous cache holding the same tokens.
 
-  python -m experiments.bench_attention --workdir=runs/bench_attention           # full
-  python -m experiments.bench_attention --workdir=runs/bench_attention --quick   # ~1 min
+  python -m experiments.bench_attention --config=configs/bench_attention.py --workdir=runs/bench_attention
+  python -m experiments.bench_attention --config=configs/bench_attention.py:tiny --workdir=/tmp/bench_attention
 
-For each (context, dtype) the run builds one paged pool (shuffled block table, block 0 the null
-block) and contiguous copies of the same K/V, then times, interleaved round by round so that
+For each (context, dtype) of `config.bench` (configs/bench_attention.py) the run builds one paged
+pool (shuffled block table, block 0 the null block) and contiguous copies of the same K/V, checks
+every paged path against contiguous attention, then times, interleaved round by round so that
 load from other processes hits every variant alike:
   contiguous_dense  einsum + masked softmax over [B, Hkv, S, D]
-  contiguous_flash  the online-softmax loop over [B, S/bs, Hkv, bs, D] (no indirection)
-  <impl>            every paged path that runs natively on this backend
+  contiguous_flash  the xla path's online-softmax loop over [B, S/bs, Hkv, bs, D] (no indirection)
+  <impl>            every paged path in bench.impls (default: all that run natively here; on CPU
+                    reference, xla, and cpu, the native kernel, where it builds)
 plus this machine's memory bandwidth (read-only sum, and an in-place donated copy), timed in the
-same rounds. Figures are medians over rounds. `paged_over_contiguous` divides the best paged
-path by the best contiguous variant; `bandwidth_fraction` is the K/V bytes the best paged path
-reads per second over the copy bandwidth (bytes read + written per second). Nothing here
+same rounds. Figures are medians over rounds. For every variant: its K/V read bandwidth (the
+cache's bytes over its time) and that over the copy bandwidth (bytes read + written per second);
+`paged_over_contiguous` divides the best paged path by the best contiguous variant. Nothing here
 asserts a time.
 
-Writes DIR/summary.json (figures, flags, versions, device, git revision) and DIR/results.jsonl
-(one row per variant and shape).
+Writes DIR/summary.json (figures per shape, the config, versions, device, git state),
+DIR/results.csv (one row per variant and shape) and DIR/bench_attention.png.
 """
 import functools
 import importlib
-import json
 import os
-import platform
-import subprocess
 import time
 
-from absl import app
-from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,25 +32,18 @@ import numpy as np
 import kernels
 import kernels.xla
 from experiments import cli
-
-FLAGS = flags.FLAGS
-flags.DEFINE_string('workdir', None, 'Output directory.', required=True)
-flags.DEFINE_bool('quick', False, 'Small shapes and few rounds (a smoke run).')
-flags.DEFINE_integer('batch', 32, 'Sequences.')
-flags.DEFINE_integer('num_kv_heads', 8, 'KV heads.')
-flags.DEFINE_integer('num_heads', 32, 'Query heads.')
-flags.DEFINE_integer('head_dim', 64, 'Head dim.')
-flags.DEFINE_integer('block_size', 64, 'Tokens per block.')
-flags.DEFINE_list('contexts', ['1024', '8192'], 'Context lengths (tokens per sequence).')
-flags.DEFINE_list('dtypes', ['float32', 'bfloat16'], 'Pool and query dtypes.')
-flags.DEFINE_list('impls', None, 'Paged paths to time (default: all native to the backend).')
-flags.DEFINE_integer('rounds', 15, 'Timed rounds; each round calls every variant once.')
+from pagedjax import run_info
+from pagedjax.config import ConfigError
 
 NATIVE = {
-    'cpu': ('reference', 'xla'),
+    'cpu': ('reference', 'xla', 'cpu'),
     'gpu': ('reference', 'xla', 'pallas_gpu', 'triton'),
     'tpu': ('reference', 'xla', 'pallas_tpu'),
 }
+CONTIGUOUS = ('contiguous_dense', 'contiguous_flash')
+DTYPES = ('float32', 'bfloat16')
+COLUMNS = ('context', 'dtype', 'variant', 'ms', 'kv_gbs', 'share_of_copy', 'over_best_contiguous',
+           'copy_gbs', 'read_gbs')
 
 
 def contiguous_dense(q, k, v, context_lens):
@@ -174,100 +164,162 @@ def time_interleaved(fns, rounds):
   return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def git_revision():
-  try:
-    return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-                          check=True, cwd=os.path.dirname(__file__)).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
+# ------------------------------------------------------------------------------------------------
+# The study
+# ------------------------------------------------------------------------------------------------
+def native_impls(backend):
+  """The paged paths that run un-interpreted on `backend` (kernels.runs_on; triton also needs
+  jax_triton to import)."""
+  return [i for i in NATIVE.get(backend, ('reference', 'xla'))
+          if kernels.runs_on(i, backend) and (i != 'triton' or _has_jax_triton())]
 
 
-def main(argv):
-  cli.quiet_libraries(argv)  # results, not jax's backend-probing log lines
-  os.makedirs(FLAGS.workdir, exist_ok=True)
+def check(config):
+  """config.bench's fields (ConfigError naming the field, the value and what is allowed)."""
+  bench = config.get('bench')
+  if bench is None:
+    raise ConfigError('config.bench is missing: use configs/bench_attention.py')
+  for name in ('batch', 'num_kv_heads', 'num_heads', 'head_dim', 'block_size', 'rounds',
+               'memory_bytes'):
+    value = bench[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ConfigError(f'config.bench.{name}={value!r} is not allowed: an integer >= 1')
+  if bench.num_heads % bench.num_kv_heads:
+    raise ConfigError(f'config.bench.num_heads={bench.num_heads} is not allowed: a multiple of '
+                      f'num_kv_heads={bench.num_kv_heads}')
+  contexts = tuple(bench.contexts)
+  if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1
+                         for c in contexts):
+    raise ConfigError(f'config.bench.contexts={bench.contexts!r} is not allowed: a non-empty '
+                      'tuple of token counts >= 1')
+  if not tuple(bench.dtypes) or any(d not in DTYPES for d in bench.dtypes):
+    raise ConfigError(f'config.bench.dtypes={bench.dtypes!r} is not allowed: a non-empty tuple '
+                      f'of {DTYPES}')
   backend = jax.default_backend()
-  contexts = [int(c) for c in FLAGS.contexts]
-  batch, rounds = FLAGS.batch, FLAGS.rounds
-  if FLAGS.quick:
-    contexts, batch, rounds = [min(contexts[0], 512)], min(batch, 8), min(rounds, 5)
-  impls = FLAGS.impls or [i for i in NATIVE.get(backend, ('reference', 'xla'))
-                          if i != 'triton' or _has_jax_triton()]
-  dims = (batch, FLAGS.num_kv_heads, FLAGS.num_heads, FLAGS.head_dim, FLAGS.block_size)
+  for impl in bench.impls:
+    if impl not in kernels.IMPLS or not kernels.runs_on(impl, backend):
+      raise ConfigError(f'config.bench.impls has {impl!r}, which is not allowed on the {backend} '
+                        f'backend: one of {tuple(native_impls(backend))}')
 
+
+def measure(bench, context, dtype_name, impls, memory):
+  """One shape: correctness against contiguous attention, then the interleaved rounds ->
+  (figures, rows)."""
+  dtype = jnp.dtype(dtype_name)
+  backend = jax.default_backend()
+  x = make_inputs(bench.batch, bench.num_kv_heads, bench.num_heads, bench.head_dim,
+                  bench.block_size, context, dtype, seed=bench.seed)
+  paged = (x['q'], x['k_blocks'], x['v_blocks'], x['block_tables'], x['context_lens'],
+           x['q_positions'])
+  fns = {
+      'contiguous_dense': functools.partial(jax.jit(contiguous_dense), x['q'], x['k4'], x['v4'],
+                                            x['context_lens']),
+      'contiguous_flash': functools.partial(jax.jit(contiguous_flash), x['q'], x['k5'], x['v5'],
+                                            x['context_lens']),
+      'mem_read': memory.read,
+      'mem_copy': memory.copy,
+  }
+  for impl in impls:
+    fns[impl] = functools.partial(
+        jax.jit(functools.partial(kernels.paged_attention, impl=impl)), *paged)
+  ref = np.asarray(fns['contiguous_dense'](), np.float32)
+  for impl in impls:  # a benchmark of a wrong kernel is worthless: check first
+    err = float(np.max(np.abs(np.asarray(fns[impl](), np.float32) - ref)))
+    # float32 on GPU/TPU may use TF32/bf16 passes in the contiguous einsums.
+    tol = 2e-2 if dtype == jnp.bfloat16 else (1e-4 if backend == 'cpu' else 2e-3)
+    if err > tol:
+      raise RuntimeError(f'{impl} differs from contiguous attention by {err} at {context}')
+  # The reference materialises the whole gathered cache; timed apart so that its large
+  # allocations and frees do not land on the others.
+  slow = {name: fns.pop(name) for name in ('reference',) if name in fns}
+  times = time_interleaved(fns, bench.rounds)
+  read_gbs, copy_gbs = memory.gbs(times)
+  if slow:
+    times.update(time_interleaved(slow, max(3, bench.rounds // 3)))
+  times = {name: t for name, t in times.items() if not name.startswith('mem_')}
+  kv_bytes = x['k4'].nbytes + x['v4'].nbytes
+  best_contig = min(CONTIGUOUS, key=times.get)
+  paged_impls = [i for i in impls if i != 'reference'] or impls
+  best = min(paged_impls, key=times.get)
+  kv_gbs = {name: kv_bytes / t / 1e9 for name, t in times.items()}
+  figures = dict(
+      context=context, dtype=dtype_name, kv_bytes=kv_bytes, best_paged=best,
+      best_contiguous=best_contig, paged_over_contiguous=times[best] / times[best_contig],
+      copy_gbs=copy_gbs, read_gbs=read_gbs,
+      achieved_read_gbs=kv_gbs[best], bandwidth_fraction=kv_gbs[best] / copy_gbs,
+      read_bandwidth_fraction=kv_gbs[best] / read_gbs,
+      ms={name: t * 1e3 for name, t in times.items()},
+      kv_gbs=kv_gbs, share_of_copy={name: g / copy_gbs for name, g in kv_gbs.items()},
+      over_best_contiguous={name: t / times[best_contig] for name, t in times.items()})
+  rows = [dict(context=context, dtype=dtype_name, variant=name, ms=t * 1e3, kv_gbs=kv_gbs[name],
+               share_of_copy=kv_gbs[name] / copy_gbs, over_best_contiguous=t / times[best_contig],
+               copy_gbs=copy_gbs, read_gbs=read_gbs)
+          for name, t in times.items()]
+  return figures, rows
+
+
+def study(config, workdir):
+  bench = config.bench
+  backend = jax.default_backend()
+  impls = list(bench.impls) or native_impls(backend)
+  contexts = [int(c) for c in bench.contexts]
+  kv_bytes = 2 * bench.batch * max(contexts) * bench.num_kv_heads * bench.head_dim * 4
+  memory = MemoryTraffic(max(int(bench.memory_bytes), kv_bytes))
   figures, rows = {}, []
-  # At least 256 MiB, far past the 32 MiB L3, so this is DRAM and not cache bandwidth.
-  memory = MemoryTraffic(max(2**28, 2 * batch * max(contexts) * FLAGS.num_kv_heads *
-                             FLAGS.head_dim * 4))
   for context in contexts:
-    for dtype_name in FLAGS.dtypes:
-      dtype = jnp.dtype(dtype_name)
-      x = make_inputs(*dims, context, dtype)
-      paged = (x['q'], x['k_blocks'], x['v_blocks'], x['block_tables'], x['context_lens'],
-               x['q_positions'])
-      fns = {
-          'contiguous_dense': functools.partial(jax.jit(contiguous_dense), x['q'], x['k4'],
-                                                x['v4'], x['context_lens']),
-          'contiguous_flash': functools.partial(jax.jit(contiguous_flash), x['q'], x['k5'],
-                                                x['v5'], x['context_lens']),
-          'mem_read': memory.read,
-          'mem_copy': memory.copy,
-      }
-      for impl in impls:
-        fns[impl] = functools.partial(
-            jax.jit(functools.partial(kernels.paged_attention, impl=impl)), *paged)
-      ref = np.asarray(fns['contiguous_dense'](), np.float32)
-      for impl in impls:  # a benchmark of a wrong kernel is worthless: check first
-        err = float(np.max(np.abs(np.asarray(fns[impl](), np.float32) - ref)))
-        # float32 on GPU/TPU may use TF32/bf16 passes in the contiguous einsums.
-        tol = 2e-2 if dtype == jnp.bfloat16 else (1e-4 if backend == 'cpu' else 2e-3)
-        if err > tol:
-          raise RuntimeError(f'{impl} differs from contiguous attention by {err} at {context}')
-      # The reference materialises the whole gathered cache; timed apart so that its large
-      # allocations and frees do not land on the others.
-      slow = {name: fns.pop(name) for name in ('reference',) if name in fns}
-      times = time_interleaved(fns, rounds)
-      if slow:
-        times.update(time_interleaved(slow, max(3, rounds // 3)))
-      read_gbs, copy_gbs = memory.gbs(times)
-      times = {name: t for name, t in times.items() if not name.startswith('mem_')}
-      kv_bytes = x['k4'].nbytes + x['v4'].nbytes
-      best_contig = min(('contiguous_dense', 'contiguous_flash'), key=times.get)
-      paged_impls = [i for i in impls if i != 'reference'] or impls
-      best = min(paged_impls, key=times.get)
+    for dtype_name in bench.dtypes:
       key = f'ctx{context}_{dtype_name}'
-      figures[key] = dict(
-          context=context, dtype=dtype_name, best_paged=best, best_contiguous=best_contig,
-          paged_over_contiguous=times[best] / times[best_contig],
-          copy_gbs=copy_gbs, read_gbs=read_gbs,
-          achieved_read_gbs=kv_bytes / times[best] / 1e9,
-          bandwidth_fraction=kv_bytes / times[best] / 1e9 / copy_gbs,
-          read_bandwidth_fraction=kv_bytes / times[best] / 1e9 / read_gbs,
-          ms={name: t * 1e3 for name, t in times.items()},
-          over_best_contiguous={name: t / times[best_contig] for name, t in times.items()})
-      for name, t in times.items():
-        rows.append(dict(context=context, dtype=dtype_name, variant=name, ms=t * 1e3,
-                         kv_gbs=kv_bytes / t / 1e9, over_best_contiguous=t / times[best_contig]))
-      print(f'{key}: ' + '  '.join(f'{n} {t * 1e3:.2f}ms' for n, t in times.items()) +
-            f'  | best {best} {figures[key]["paged_over_contiguous"]:.2f}x {best_contig}, '
-            f'{figures[key]["bandwidth_fraction"]:.0%} of copy bandwidth ({copy_gbs:.1f} GB/s; '
-            f'read {read_gbs:.1f} GB/s)', flush=True)
-      del x, fns
+      figures[key], shape_rows = measure(bench, context, dtype_name, impls, memory)
+      rows += shape_rows
+      f = figures[key]
+      print(f'{key}: ' + '  '.join(f'{r["variant"]} {r["ms"]:.2f}ms ({r["share_of_copy"]:.0%})'
+                                   for r in shape_rows) +
+            f'  | best {f["best_paged"]} {f["paged_over_contiguous"]:.2f}x {f["best_contiguous"]}; '
+            f'(%) = K/V GB/s over copy {f["copy_gbs"]:.1f} GB/s (read {f["read_gbs"]:.1f})',
+            flush=True)
+  cpu_kernel = None
+  if 'cpu' in impls:
+    from kernels import cpu  # pylint: disable=import-outside-toplevel
+    cpu_kernel = dict(avx2=cpu.uses_avx2(), library=cpu.library_path())
+  summary = dict(figures=figures, impls=impls, memory_traffic_bytes=memory.nbytes,
+                 cpu_kernel=cpu_kernel, load_average_1m=os.getloadavg()[0],
+                 xla_flags=os.environ.get('XLA_FLAGS', ''), **run_info.summary_fields(config))
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows, COLUMNS)
+  plot(os.path.join(workdir, 'bench_attention.png'), figures)
+  return summary
 
-  summary = dict(
-      figures=figures, memory_traffic_bytes=memory.nbytes,
-      flags=dict(batch=batch, num_kv_heads=FLAGS.num_kv_heads, num_heads=FLAGS.num_heads,
-                 head_dim=FLAGS.head_dim, block_size=FLAGS.block_size, contexts=contexts,
-                 dtypes=FLAGS.dtypes, impls=impls, rounds=rounds, quick=FLAGS.quick),
-      versions=dict(jax=jax.__version__, numpy=np.__version__, python=platform.python_version()),
-      device=dict(backend=backend, kind=jax.devices()[0].device_kind, cpus=os.cpu_count(),
-                  xla_flags=os.environ.get('XLA_FLAGS', '')),
-      git_revision=git_revision())
-  with open(os.path.join(FLAGS.workdir, 'summary.json'), 'w') as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(FLAGS.workdir, 'results.jsonl'), 'w') as f:
-    for row in rows:
-      f.write(json.dumps(row) + '\n')
-  print(f'wrote {FLAGS.workdir}/summary.json')
+
+def plot(path, figures):
+  """Per shape: each variant's time (left) and its K/V read bandwidth next to the copy and read
+  bandwidth of the same rounds (right)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  keys = list(figures)
+  variants = list(dict.fromkeys(v for f in figures.values() for v in f['ms']))
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  width = 0.8 / len(variants)
+  for i, name in enumerate(variants):
+    at = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(keys))]
+    axes[0].bar(at, [figures[k]['ms'].get(name, np.nan) for k in keys], width, label=name)
+    axes[1].bar(at, [figures[k]['kv_gbs'].get(name, np.nan) for k in keys], width, label=name)
+  for k, key in enumerate(keys):
+    for what, style in (('copy_gbs', '-'), ('read_gbs', ':')):
+      axes[1].hlines(figures[key][what], k - 0.45, k + 0.45, colors='k', linestyles=style,
+                     label=what.replace('_gbs', ' bandwidth') if k == 0 else None)
+  axes[0].set_yscale('log')
+  axes[0].set_ylabel('ms per call (median)')
+  axes[1].set_ylabel('K/V read GB/s')
+  for ax in axes:
+    ax.set_xticks(range(len(keys)), keys)
+  axes[1].legend(fontsize=7)
+  axes[0].set_title('decode attention time')
+  axes[1].set_title('K/V bandwidth vs memory (same rounds)')
+  fig.tight_layout()
+  with run_info.atomic_write(path, 'wb') as f:
+    fig.savefig(f, format='png', dpi=110)
+  plt.close(fig)
 
 
 def _has_jax_triton():
@@ -279,4 +331,4 @@ def _has_jax_triton():
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run_study('configs/bench_attention.py', 'Attention benchmark config.', study, check=check)

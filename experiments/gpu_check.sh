@@ -44,8 +44,10 @@ EOF
 TRITON_INTERPRET=0 timeout 600 $PY -m pytest -q -rs tests/test_kernels.py -k 'not pallas_tpu' \
   2>&1 | tee "$RESULTS/test_kernels.txt" | tail -25
 
-# BENCH_ARGS: extra flags, e.g. --quick for a dry run of this script on a CPU machine.
-timeout 900 $PY -m experiments.bench_attention --workdir="$RESULTS/bench" --rounds=20 ${BENCH_ARGS:-} \
+# BENCH_CONFIG: the benchmark's config and overrides, e.g. configs/bench_attention.py:tiny for a
+# dry run of this script on a CPU machine; BENCH_ARGS: extra flags.
+BENCH_CONFIG=${BENCH_CONFIG:-configs/bench_attention.py --config.bench.rounds=20}
+timeout 900 $PY -m experiments.bench_attention --config=$BENCH_CONFIG --workdir="$RESULTS/bench" ${BENCH_ARGS:-} \
   2>&1 | grep -v '^[IW][0-9]' | tee "$RESULTS/bench.txt"
 
 $PY - "$RESULTS/bench/summary.json" <<'EOF'
