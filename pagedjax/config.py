@@ -20,6 +20,8 @@ import ml_collections
 from kernels import IMPLS
 from pagedjax.device import kv_schemes
 from pagedjax.host.block_manager import KINDS as POOL_KINDS
+from pagedjax.host.capacity import ConfigError  # defined without jax: host code raises it too
+from pagedjax.host.disk_store import MAX_SLOTS as DISK_MAX_SLOTS
 from pagedjax.host import policies
 from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
 from pagedjax.host.sampling_params import SamplingParams
@@ -34,10 +36,6 @@ KV_DTYPES = ('auto',) + kv_schemes.KV_DTYPES
 ATTENTION_IMPLS = ('auto',) + tuple(IMPLS)
 # SamplingParams fields an experiment config sets; the others (n, beams, salts) are per request.
 SAMPLING_FIELDS = ('max_new_tokens', 'temperature', 'top_k', 'top_p', 'seed')
-
-
-class ConfigError(ValueError):
-  """A config field with a value that is not allowed; the message names both and the choices."""
 
 
 def _fail(field, value, allowed):
@@ -278,10 +276,15 @@ class TiersConfig:
   disk_latency_s: float = 0.0
 
   def validate(self, pool: PoolConfig, max_seq_len: int, prefix_caching: bool):
+    # Sizes are checked against host RAM and free disk space once the block size in bytes is
+    # known, before anything is allocated (host/capacity.py, at engine build).
     for name in ('host_blocks', 'disk_blocks', 'pinned_blocks'):
       value = getattr(self, name)
       if not _is_int(value) or value < 0:
         _fail(f'tiers.{name}', value, 'an integer >= 0 (blocks; 0 = none)')
+    if self.disk_blocks > DISK_MAX_SLOTS:
+      _fail('tiers.disk_blocks', self.disk_blocks,
+            f'at most {DISK_MAX_SLOTS:,} (the disk arrays\' slots, host/disk_store.py)')
     if (self.enabled or self.pinned_blocks) and not prefix_caching:
       name = next(n for n in ('host_blocks', 'disk_blocks', 'pinned_blocks') if getattr(self, n))
       _fail(f'tiers.{name}', getattr(self, name),

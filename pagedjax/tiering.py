@@ -3,11 +3,22 @@ disk blocks, and the cost model's figures, measured on this machine at engine st
 executor.py, this file joins host bookkeeping and device code.
 
 Fingerprint (16 bytes, names the disk tier's directory and is checked in every entry's header):
-BLAKE2b over the format version, the model's config, every parameter's path, shape, dtype and a
-strided sample of up to 4096 of its values (so other weights of the same architecture differ
-without hashing every byte), the pool's KV storage spec, the block size and the per-block array
-shapes and dtypes. The attention implementation is left out: every path computes the same K/V
-to float tolerance, as prefix caching already assumes across batch shapes.
+BLAKE2b over everything the K/V a block holds depend on, given its tokens:
+  the disk format version;
+  the model's config, every field (layers, heads, head_dim, rope_theta, norm_eps, qkv_bias,
+    the compute dtype, ...);
+  the weights: every byte of every parameter, with its path, shape and dtype
+    (model/weights.py:params_digest, hashed once per params tree, or a verified weight cache
+    entry's checksums);
+  the pool's KV storage: its spec (every field: kv_dtype, group_size, key_per_channel,
+    recent_window) and scheme, the block size, and each per-block array's shape and dtype;
+  the code that turns weights and tokens into stored K/V (KV_CODE: the model's layers, the
+    pool's paging, the storage schemes and their quantizers), byte for byte, so a store written
+    by an edited model or quantizer is not read.
+Any change is another fingerprint, so another directory: a miss, never another model's K/V (a
+fingerprint may also change where the K/V would not, which costs only misses). The attention
+implementation, the XLA version and the mesh are left out: they change K/V only to float
+tolerance, as prefix caching already assumes across batch shapes.
 
 Calibration (only for a rule that weighs costs: tiers.promotion='auto',
 scheduler.preemption='auto' or scheduler.victim='cost'; only the figures config.tiers leaves at 0):
@@ -16,44 +27,61 @@ scheduler.preemption='auto' or scheduler.victim='cost'; only the figures config.
                        after a warm-up call; seconds / (rows x tokens).
   host bytes/s, latency  bandwidth: copying 16 MiB host -> device; latency: a one-block scatter
                        into the null block (a promotion call's fixed cost).
-  disk bytes/s, latency  DiskStore.measure_read: reads of 8 scratch records written under the
-                       store's calibration/ path (latency: one record; bandwidth: the rest).
+  disk bytes/s, latency  DiskStore.measure_read: reads of up to 8 of the store's own records
+                       (latency: one record; bandwidth: the rest), or, in a store holding none,
+                       of scratch records in a temporary store, removed after: calibration
+                       never writes into the store (which may be read-only).
 Each is the best of 3 timings after a warm-up.
 The warm-up compiles the same programs the run uses (they are cached per shape), so the few
 seconds are mostly paid once; they are not charged to the engine's compilation count.
+
+Tier sizes are checked against host RAM and free disk space (host/capacity.py) before anything
+is allocated: a size that does not fit is a ConfigError naming the field, value and limit.
 """
+import functools
 import hashlib
 import math
 import time
 from typing import Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.device import block_transfer
+from pagedjax.device import block_transfer, kv_quant, kv_schemes, pool as pool_lib
 from pagedjax.host.allocator import NULL_BLOCK
 from pagedjax.host.disk_store import FORMAT_VERSION, DiskStore
 from pagedjax.host.kv_tiers import BlockLayout, KVTiers
 from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids
 from pagedjax.host.tier_cost import CostModel
+from pagedjax.model import llama, weights
 
 CALIBRATION_BLOCKS = 8
 CALIBRATION_BYTES = 16 << 20
 CALIBRATION_REPEATS = 3
+# The modules whose code turns weights and token ids into the K/V a block stores.
+KV_CODE = (llama, pool_lib, kv_schemes, kv_quant)
+
+
+@functools.lru_cache(maxsize=None)
+def kv_code_digest() -> bytes:
+  """A digest of KV_CODE's source files, as this process loaded them."""
+  h = hashlib.blake2b(digest_size=16)
+  for module in KV_CODE:
+    with open(module.__file__, 'rb') as f:
+      h.update(f'|{module.__name__}|'.encode() + f.read())
+  return h.digest()
 
 
 def fingerprint(model_cfg, params, pool, block_size: int) -> bytes:
-  """16 bytes naming what a disk block's K/V depend on (see the module docstring)."""
+  """16 bytes naming what a disk block's K/V depend on (see the module docstring); params None
+  (a model-free test engine) hashes as no weights."""
   h = hashlib.blake2b(digest_size=16)
-  h.update(f'pagedjax-kv-v{FORMAT_VERSION}|{model_cfg!r}|{pool.spec!r}|{block_size}'.encode())
+  h.update(f'pagedjax-kv-v{FORMAT_VERSION}|{model_cfg!r}|{pool.spec!r}|{pool.scheme!r}|'
+           f'{block_size}'.encode())
   for name, (shape, dtype) in sorted(pool.block_array_shapes().items()):
     h.update(f'|{name}{(shape[0],) + tuple(shape[2:])}{np.dtype(dtype).str}'.encode())
-  if params is not None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-      h.update(f'|{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}'.encode())
-      stride = max(1, math.ceil(leaf.size / 4096))
-      h.update(np.asarray(jax.device_get(jnp.ravel(leaf)[::stride])).tobytes())
+  h.update(kv_code_digest())
+  h.update(b'|no weights' if params is None else b'|weights' + weights.params_digest(params))
   return h.digest()
 
 

@@ -3,15 +3,20 @@ with a pool big enough for everything, for every tier combination and movement p
 prefix-cache designs, float32 and int8 pools, under forced evictions at every tier; disk faults
 between and during runs, warm restart, fingerprints, an unwritable disk. Engines share one
 compiled step per pool dtype (tiny_models.tiny)."""
+import contextlib
 import dataclasses
 import functools
+import os
 import pathlib
+import subprocess
 import uuid
 
+import jax.numpy as jnp
 import pytest
 
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine
+from pagedjax.host.disk_store import DiskStore
 from pagedjax.host.kv_tiers import KVTiers
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.model.llama import init_params
@@ -26,13 +31,15 @@ QUESTIONS = prompts([5, 9, 7], seed=4)
 PARAMS = SamplingParams(max_new_tokens=5)
 
 
-def make(num_blocks, tiers=None, params=None, **flat):
+def make(num_blocks, tiers=None, params=None, model_cfg=None, **flat):
   cfg, tiny_params, step = tiny('gqa')
-  config, rest = engine_config(cfg, block_size=16, num_blocks=num_blocks, max_batch_size=4,
-                               prefill_chunk=16, prefix_caching=True, **flat)
+  flat = {'block_size': 16, 'max_batch_size': 4, 'prefill_chunk': 16, 'prefix_caching': True,
+          **flat}
+  config, rest = engine_config(cfg, num_blocks=num_blocks, **flat)
   if tiers is not None:
     config = dataclasses.replace(config, tiers=tiers)
-  return Engine(cfg, tiny_params if params is None else params, config, step_fn=step, **rest)
+  return Engine(model_cfg or cfg, tiny_params if params is None else params, config,
+                step_fn=step, **rest)
 
 
 def serve(engine, rounds=(0, 1)):
@@ -193,7 +200,19 @@ def test_damage_during_a_run_and_torn_headers(tmp_path):
   assert s['tiers_tier3_failed_blocks'] > 0 and s['tiers_tier3_hit_blocks'] > 0
 
 
+def one_weight_changed(params):
+  """params with one embedding value changed, at index 1: a value the old fingerprint's strided
+  sample (every 2nd value of this 97 x 48 table) skipped."""
+  inner = params['params']
+  table = inner['embed']['embedding']
+  changed = table.at[0, 1].add(1.0)
+  return {'params': {**inner, 'embed': {**inner['embed'], 'embedding': changed}}}
+
+
 def test_warm_restart_hits_and_another_model_or_kv_scheme_never_does(tmp_path):
+  """No K/V is served to a model, scheme or block size other than the one that wrote it: a
+  restart of the same engine finds the blocks it wrote; one weight value, one model config
+  field, the KV scheme or the block size changed, and it finds none."""
   tiers = TiersConfig(host_blocks=4, disk_blocks=64, disk_kvstore=str(tmp_path),
                       promotion='load')
   want, computed = all_device(rounds=(0,))
@@ -207,14 +226,19 @@ def test_warm_restart_hits_and_another_model_or_kv_scheme_never_does(tmp_path):
   assert serve(restarted, rounds=(0,)) == want
   s = restarted.summary()
   assert s['tiers_tier3_hit_blocks'] > 0 and s['prompt_tokens_computed'] < computed
-  cfg = tiny('gqa')[0]
-  for other in (dict(params=init_params(cfg, seed=2)), dict(kv_dtype='int8')):
+  cfg, params, _ = tiny('gqa')
+  for other in (dict(params=one_weight_changed(params)), dict(kv_dtype='int8')):
     engine = make(15, tiers, **other)
     s = engine.summary()
     assert s['tier3_restored_blocks'] == 0
     serve(engine, rounds=(0,))
     assert engine.summary()['tiers_tier3_hit_blocks'] == 0
-  assert len(list(tmp_path.iterdir())) == 3  # one directory per fingerprint
+  # An empty index cannot hit: built, not served (these would compile other shapes).
+  for other in (dict(params=init_params(cfg, seed=2)),
+                dict(model_cfg=dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 2)),
+                dict(block_size=8)):
+    assert make(15, tiers, **other).summary()['tier3_restored_blocks'] == 0
+  assert len(list(tmp_path.iterdir())) == 6  # one directory per fingerprint
 
 
 def test_unwritable_disk_turns_the_tier_off_once_and_the_engine_goes_on(tmp_path,
@@ -235,6 +259,104 @@ def test_unwritable_disk_turns_the_tier_off_once_and_the_engine_goes_on(tmp_path
       raise OSError('No space left on device')
 
   monkeypatch.setattr(disk, '_blocks', Full())
-  with pytest.warns(RuntimeWarning, match='No space left') as caught:
+  with pytest.warns(RuntimeWarning, match='read-only from now on.*No space left') as caught:
     assert serve(engine, rounds=(0,)) == all_device(rounds=(0,))[0]
-  assert len(caught) == 1 and not disk.enabled
+  assert len(caught) == 1 and disk.enabled and not disk.writable
+  assert engine.summary()['tier3_read_only'] is True
+
+
+def _tree(path: pathlib.Path) -> dict:
+  return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob('*'))
+          if p.is_file()}
+
+
+@contextlib.contextmanager
+def unwritable(path: pathlib.Path, monkeypatch):
+  """Makes the store under `path` refuse writes; yields how. For real where the machine
+  allows: `chmod -R a-w` for a normal user, and as root (which chmod does not stop) the
+  immutable attribute, `chattr -R +i`. Where neither takes (a probe file can still be
+  created), it is simulated at the tensorstore layer instead: every write to the store's
+  arrays fails as a read-only file system's write does (ValueError PERMISSION_DENIED)."""
+  how = None
+  undo = None
+  if os.geteuid() != 0:
+    how, undo = 'chmod', ['chmod', '-R', 'u+w', str(path)]
+    subprocess.run(['chmod', '-R', 'a-w', str(path)], check=True)
+  elif subprocess.run(['chattr', '-R', '+i', str(path)], capture_output=True).returncode == 0:
+    how, undo = 'chattr', ['chattr', '-R', '-i', str(path)]
+  try:
+    try:
+      (path / 'probe').write_text('x')
+      (path / 'probe').unlink()
+      if undo:
+        subprocess.run(undo, check=True)
+        undo = None
+      how = 'simulated'
+    except OSError:
+      pass
+    if how == 'simulated':
+      monkeypatch.setattr(DiskStore, '_open', lambda self, *a, **k: _ReadOnlyArray(
+          _open(self, *a, **k)))
+    yield how
+  finally:
+    if undo:
+      subprocess.run(undo, check=True)
+
+
+_open = DiskStore._open  # pylint: disable=protected-access
+
+
+class _ReadOnlyArray:
+  """A tensorstore array whose writes fail as on a read-only file system; reads pass."""
+
+  def __init__(self, array):
+    self._array = array
+    self.kvstore = array.kvstore
+
+  def __getitem__(self, index):
+    return _ReadOnlyArray(self._array[index])
+
+  def read(self):
+    return self._array.read()
+
+  def write(self, _):
+    raise ValueError('PERMISSION_DENIED: Error writing local file: Read-only file system '
+                     '(simulated)')
+
+
+def test_a_read_only_store_is_served_and_never_written(tmp_path, monkeypatch):
+  """A store made unwritable after a first engine filled it: a second engine with the default
+  promotion='auto' builds (calibration reads the store's own records and writes nothing), warns
+  once that the tier is read-only when its first write (a new prompt's blocks) is refused, then
+  serves the store's blocks (recomputing is made dear so the cost model loads them), and leaves
+  every byte of the store as it was. Outputs are those of an all-device run."""
+  want = all_device(rounds=(0,))[0]
+  first = make(15, TiersConfig(disk_blocks=64, disk_kvstore=str(tmp_path), write_through=True,
+                               promotion='load'))
+  assert serve(first, rounds=(0,)) == want
+  first.tiers.flush()
+  before = _tree(tmp_path)
+  with unwritable(tmp_path, monkeypatch) as how:
+    with pytest.warns(RuntimeWarning, match='read-only from now on') as caught:
+      second = make(15, TiersConfig(disk_blocks=64, disk_kvstore=str(tmp_path),
+                                    write_through=True, prefill_s_per_token=1.0))
+      assert second.summary()['tier3_calibrated_on'] == '8 records of the store'
+      second.generate(prompts([40], seed=9), PARAMS)
+      second.tiers.flush()
+      assert second.summary()['tier3_read_only']
+      assert serve(second, rounds=(0,)) == want
+      second.tiers.flush()
+  assert len(caught) == 1, how
+  s = second.summary()
+  assert s['tier3_enabled'] and s['tier3_read_only'] and s['tiers_tier3_hit_blocks'] > 0
+  assert _tree(tmp_path) == before, how
+
+
+def test_calibration_writes_nothing_into_the_store(tmp_path):
+  engine = make(15, TiersConfig(disk_blocks=64, disk_kvstore=str(tmp_path)))
+  figures = engine.summary()
+  assert 0 < figures['cost_tier3_bytes_per_s'] < float('inf')
+  assert figures['tier3_calibrated_on'] == '8 scratch records in a temporary local directory'
+  (store,) = tmp_path.iterdir()  # the fingerprint's directory, holding the two arrays only
+  assert sorted(str(p.relative_to(store)) for p in store.rglob('*')) == [
+      'blocks', 'blocks/zarr.json', 'headers', 'headers/zarr.json']

@@ -21,22 +21,35 @@ truncated, corrupted, a header written without its record or the reverse, as a p
 mid-write leaves them) is a miss: the entry is dropped and the block recomputed. Entries with a
 write in flight are not matched, and entries with a read in flight are not evicted.
 
-A store that cannot be opened or written (disk full, read-only, unreachable) switches the tier
-off with one warning; the engine goes on with the tiers above. Engines (or processes) sharing a
-store keep separate indexes and may overwrite each other's slots: that costs misses (the header
-no longer names the key), never wrong K/V. Call `flush()` before a process exits: writes still in
-flight are lost (a miss after a restart, as any torn write).
+A store that cannot be opened (unreachable, or a new store in a read-only place) switches the
+tier off with one warning; the engine goes on with the tiers above. A store that opens but
+refuses a write (read-only, disk full) becomes read-only with one warning: the entries it holds
+are still served (every read verifies), nothing more is written to it. Engines (or processes)
+sharing a store keep separate indexes and may overwrite each other's slots: that costs misses
+(the header no longer names the key), never wrong K/V. Call `flush()` before a process exits:
+writes still in flight are lost (a miss after a restart, as any torn write).
+
+Nothing but blocks and their headers is written into the store: the read figures of the cost
+model (`measure_read`) come from reading its own records, or, in a store that holds none yet,
+from scratch records in a temporary store of the same kind, removed after.
+
+Capacity: slots are at most MAX_SLOTS, and a directory store's slots must fit the file system's
+free space (a 'memory://' store's, the host RAM): else ConfigError, before anything is opened.
+Memory grows with the slots in use, never with the capacity.
 """
 import hashlib
 import os
 import struct
+import tempfile
 import time
+import uuid
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import tensorstore as ts
 
+from pagedjax.host import capacity as capacity_lib
 from pagedjax.host.tier_index import TierIndex
 
 FORMAT_VERSION = 1
@@ -50,12 +63,37 @@ MAX_SLOTS = 2**31
 _CONTEXT = ts.Context()
 
 
+RESTORE_ROWS = 1 << 16  # headers read per request at a restart
+
+
 def kvstore_spec(url: str) -> ts.KvStore.Spec:
   """A tensorstore kvstore URL ('file:///dir/', 'memory://name/', 'gs://bucket/dir/', ...) or a
-  plain directory path (a local file store)."""
+  plain directory path (a local file store). Only a URL is percent-decoded: the path
+  '/tmp/kv%20store' is a directory of that name, 'file:///tmp/kv%20store' is '/tmp/kv store'."""
   if '://' not in url:
-    url = 'file://' + os.path.abspath(os.path.expanduser(url))
+    path = os.path.abspath(os.path.expanduser(url))
+    return ts.KvStore.Spec({'driver': 'file', 'path': path.rstrip('/') + '/'})
   return ts.KvStore.Spec(url if url.endswith('/') else url + '/')
+
+
+def check_capacity(url: str, capacity: int, record_nbytes: int,
+                   field: str = 'tiers.disk_blocks') -> None:
+  """ConfigError unless `capacity` slots of this record size fit (module docstring)."""
+  if capacity > MAX_SLOTS:
+    raise capacity_lib.ConfigError(
+        f'config.{field}={capacity!r} is not allowed: at most {MAX_SLOTS:,} slots '
+        '(the disk arrays\' first dimension)')
+  spec = kvstore_spec(url).to_json()
+  slot_bytes = record_nbytes + HEADER_BYTES
+  if spec['driver'] == 'file':
+    need = capacity * slot_bytes
+    capacity_lib.check_blocks_fit(
+        field, capacity, slot_bytes, capacity_lib.disk_space_available(spec['path'], need),
+        'disk', f'free space under {spec["path"]!r}')
+  elif spec['driver'] == 'memory':
+    capacity_lib.check_blocks_fit(field, capacity, slot_bytes,
+                                  capacity_lib.host_memory_available(),
+                                  "host RAM (a 'memory://' store)")
 
 
 def _digest(data: bytes, size: int = 16) -> bytes:
@@ -74,10 +112,14 @@ class DiskStore:
 
   def __init__(self, url: str, capacity: int, record_nbytes: int, fingerprint: bytes,
                eviction: str = 'lru'):
-    """fingerprint: 16 bytes naming model, KV scheme, block size and layout (tiering.py)."""
+    """fingerprint: 16 bytes naming what K/V depend on: model, weights, KV scheme, block size,
+    layout (tiering.py). ConfigError when `capacity` slots cannot fit (module docstring)."""
+    check_capacity(url, capacity, record_nbytes)
     self.url, self.record_nbytes, self.fingerprint = url, record_nbytes, fingerprint
     self.index = TierIndex(capacity, eviction)
     self.enabled, self.off_reason = False, None
+    self.read_only_reason: Optional[str] = None  # why writes stopped (None: writable)
+    self.calibrated_on: Optional[str] = None  # what measure_read timed
     self._writes: Dict[int, Tuple[int, list]] = {}  # key -> (slot, write futures)
     self._serial = 0
     self.read_failures = 0  # reads that did not verify (misses)
@@ -90,6 +132,11 @@ class DiskStore:
       self.enabled = True
     except (ValueError, OSError, RuntimeError) as e:
       self._off(f'cannot open {url!r}: {e}')
+
+  @property
+  def writable(self) -> bool:
+    """On and taking writes (a read-only store still serves what it holds)."""
+    return self.enabled and self.read_only_reason is None
 
   def _open(self, name: str, row_nbytes: int, base=None):
     spec = {'driver': 'zarr3', 'kvstore': ((base or self._base) / name).to_json(),
@@ -107,6 +154,22 @@ class DiskStore:
     for key in self.index.keys():
       self.index.remove(key)
     self._writes.clear()
+
+  def _write_failed(self, reason: str) -> None:
+    """A refused write makes the store read-only (one warning): the entries committed before
+    stay served, the ones whose writes were in flight are dropped (they may be torn)."""
+    if self.read_only_reason is None:
+      warnings.warn(f'disk KV tier is read-only from now on (its {len(self.index)} entries are '
+                    f'still served, nothing more is written): {reason}', RuntimeWarning,
+                    stacklevel=3)
+      self.read_only_reason = reason
+    for key, (slot, _) in list(self._writes.items()):
+      if key in self.index and self.index.slot(key) == slot:
+        self.index.remove(key)
+    self._writes.clear()
+    for key in self.index.keys():
+      if self.index.is_pending(key):  # reserved, its write not issued yet
+        self.index.remove(key)
 
   # ---- headers -----------------------------------------------------------------------------
 
@@ -126,15 +189,27 @@ class DiskStore:
       return None
     return key, digest, checksum, serial
 
+  def _written_slots(self) -> List[int]:
+    """The slots below capacity whose header chunk exists (keys 'c/<slot>/0' of headers/)."""
+    slots = []
+    for key in self._headers.kvstore.list().result():
+      parts = key.decode(errors='replace').split('/')
+      if len(parts) == 3 and parts[0] == 'c' and parts[1].isdigit():
+        slots.append(int(parts[1]))
+    return sorted(s for s in set(slots) if s < self.index.capacity)
+
   def _restore(self) -> None:
-    """Rebuilds the index from the headers of slots 0..capacity-1 (a warm restart); a key found
-    twice (a crash between two writes) keeps its newest slot, and the stale slot is reused."""
-    rows = self._headers[:self.index.capacity].read().result()
+    """Rebuilds the index from the headers of the written slots below capacity (a warm
+    restart), read RESTORE_ROWS at a time; a key found twice (a crash between two writes) keeps
+    its newest slot, and the stale slot is reused."""
+    slots = self._written_slots()
     newest = {}
-    for slot, row in enumerate(rows):
-      parsed = self._parse(row) if row.any() else None
-      if parsed and parsed[3] >= newest.get(parsed[0], (-1,))[0]:
-        newest[parsed[0]] = (parsed[3], parsed[1], slot)
+    for i in range(0, len(slots), RESTORE_ROWS):
+      batch = np.asarray(slots[i:i + RESTORE_ROWS], np.int64)
+      for slot, row in zip(batch.tolist(), self._headers[batch].read().result()):
+        parsed = self._parse(row) if row.any() else None
+        if parsed and parsed[3] >= newest.get(parsed[0], (-1,))[0]:
+          newest[parsed[0]] = (parsed[3], parsed[1], slot)
     entries = sorted((serial, key, digest, slot) for key, (serial, digest, slot) in newest.items())
     self.index.restore([(key, digest, slot) for _, key, digest, slot in entries])
     self._serial = entries[-1][0] + 1 if entries else 0
@@ -144,12 +219,12 @@ class DiskStore:
 
   def reserve(self, key: int, content_digest: bytes) -> bool:
     """Takes a slot for key (its victim, if any, is dropped: the lowest tier). False when the
-    tier is off or every slot is busy."""
-    return self.enabled and self.index.reserve(key, content_digest) is not None
+    tier is off or read-only, or every slot is busy."""
+    return self.writable and self.index.reserve(key, content_digest) is not None
 
   def write(self, key: int, record: np.ndarray) -> None:
     """Issues the asynchronous writes of a reserved key's record and header."""
-    if not self.enabled or key not in self.index:
+    if not self.writable or key not in self.index:
       return
     slot = self.index.slot(key)
     header = self._header(key, self.index.content(key), record, self._serial)
@@ -157,13 +232,14 @@ class DiskStore:
     try:
       futures = [self._blocks[slot].write(record), self._headers[slot].write(header)]
     except (ValueError, OSError, RuntimeError) as e:
-      self._off(f'write to {self.url!r} failed: {e}')
+      self._writes[key] = (slot, [])
+      self._write_failed(f'write to {self.url!r} failed: {e}')
       return
     self._writes[key] = (slot, futures)
 
   def poll(self, wait: bool = False) -> None:
     """Commits the writes that completed (all of them, waiting, when `wait`); a failed write
-    switches the tier off."""
+    makes the store read-only."""
     for key, (slot, futures) in list(self._writes.items()):
       if not wait and not all(f.commit.done() for f in futures):
         continue
@@ -172,7 +248,8 @@ class DiskStore:
         for f in futures:
           f.result()
       except (ValueError, OSError, RuntimeError) as e:
-        self._off(f'write to {self.url!r} failed: {e}')
+        self._writes[key] = (slot, futures)
+        self._write_failed(f'write to {self.url!r} failed: {e}')
         return
       if key in self.index and self.index.slot(key) == slot:
         self.index.commit(key)
@@ -220,25 +297,51 @@ class DiskStore:
   # ---- calibration -------------------------------------------------------------------------
 
   def measure_read(self, num_blocks: int) -> Tuple[float, float]:
-    """(bytes/s, latency s) of reading records from this store: writes num_blocks scratch
-    records under `calibration/` (never read as blocks), then times reading 1 and all."""
-    scratch = self._open('blocks/', self.record_nbytes, base=self._base / 'calibration/')
-    rng = np.random.default_rng(0)
-    scratch[:num_blocks].write(
-        rng.integers(0, 256, (num_blocks, self.record_nbytes), np.uint8)).result()
-    times: List[float] = []
-    for n in (1, num_blocks):
-      start = time.perf_counter()
-      futures = [scratch[i].read() for i in range(n)]
-      for f in futures:
-        f.result()
-      times.append(time.perf_counter() - start)
-    latency = times[0]
-    extra = max(times[1] - times[0], 1e-9)
-    return (num_blocks - 1) * self.record_nbytes / extra if num_blocks > 1 else (
-        self.record_nbytes / max(latency, 1e-9)), latency
+    """(bytes/s, latency s) of reading records, timed on reading 1 and then up to num_blocks of
+    them. Writes nothing into this store: it reads up to num_blocks of its own records when it
+    holds any (a warm restart), else scratch records written to a temporary store of the same
+    kind and removed after: a fresh 'memory://' store for a memory store, a temporary local
+    directory for any other (for a remote store, then, the local disk's figures).
+    `calibrated_on` (and figures()) says which."""
+    slots = [self.index.slot(k) for k in self.index.keys()][:num_blocks]
+    if slots:
+      self.calibrated_on = f'{len(slots)} records of the store'
+      return _time_reads(self._blocks, slots, self.record_nbytes)
+    memory = kvstore_spec(self.url).to_json()['driver'] == 'memory'
+    with tempfile.TemporaryDirectory(prefix='pagedjax-kv-calibration-') as tmp:
+      base = (ts.KvStore.Spec(f'memory://pagedjax-calibration-{uuid.uuid4().hex}/') if memory
+              else kvstore_spec(tmp))
+      scratch = self._open('blocks/', self.record_nbytes, base=base)
+      rng = np.random.default_rng(0)
+      scratch[:num_blocks].write(
+          rng.integers(0, 256, (num_blocks, self.record_nbytes), np.uint8)).result()
+      self.calibrated_on = (f'{num_blocks} scratch records in a temporary '
+                            f'{"memory store" if memory else "local directory"}')
+      try:
+        return _time_reads(scratch, list(range(num_blocks)), self.record_nbytes)
+      finally:
+        if memory:
+          scratch.kvstore.delete_range(ts.KvStore.KeyRange()).result()
 
   def figures(self) -> dict:
     return {'tier3_enabled': self.enabled, 'tier3_off_reason': self.off_reason,
+            'tier3_read_only': self.read_only_reason is not None,
+            'tier3_read_only_reason': self.read_only_reason,
+            'tier3_calibrated_on': self.calibrated_on,
             'tier3_read_failures': self.read_failures, 'tier3_restored_blocks': self.restored,
             'tier3_writes_in_flight': len(self._writes)}
+
+
+def _time_reads(array, slots: List[int], record_nbytes: int) -> Tuple[float, float]:
+  """(bytes/s, latency s): latency = reading slots[0]; bandwidth from reading all of them."""
+  times: List[float] = []
+  for n in (1, len(slots)):
+    start = time.perf_counter()
+    futures = [array[s].read() for s in slots[:n]]
+    for f in futures:
+      f.result()
+    times.append(time.perf_counter() - start)
+  latency = times[0]
+  if len(slots) == 1:
+    return record_nbytes / max(latency, 1e-9), latency
+  return (len(slots) - 1) * record_nbytes / max(times[1] - times[0], 1e-9), latency

@@ -52,6 +52,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pagedjax.host import capacity as capacity_lib
 from pagedjax.host import kv_events
 from pagedjax.host.disk_store import DiskRead, DiskStore
 from pagedjax.host.prefix_cache import content_bytes
@@ -102,9 +103,12 @@ class BlockLayout:
 
 
 class HostBlockStore:
-  """Tier 2: `capacity` blocks in numpy, laid out like the pool (block axis 1)."""
+  """Tier 2: `capacity` blocks in numpy, laid out like the pool (block axis 1). A capacity that
+  does not fit in host RAM is refused before anything is allocated (capacity.py)."""
 
   def __init__(self, layout: BlockLayout, capacity: int, eviction: str = 'lru'):
+    capacity_lib.check_blocks_fit('tiers.host_blocks', capacity, layout.nbytes,
+                                  capacity_lib.host_memory_available(), 'host RAM')
     self.index = TierIndex(capacity, eviction)
     self.arrays = {name: np.zeros((shape[0], capacity) + shape[1:], dtype)
                    for name, shape, dtype in layout.fields}
@@ -199,6 +203,8 @@ class KVTiers:
               first_only: bool = False) -> None:
     targets = []
     for tier in tiers:
+      if tier == 3 and not self.disk.writable:
+        continue  # a read-only store still serves hits, but takes nothing
       if key in self._index(tier):
         self._index(tier).touch(key, hit=False)
       elif self._reserve(tier, key, content):
@@ -218,7 +224,7 @@ class KVTiers:
     if taken is None:
       return False
     slot, victim = taken
-    if victim is not None and self.disk and self.disk.enabled and victim[0] not in self.disk.index:
+    if victim is not None and self.disk and self.disk.writable and victim[0] not in self.disk.index:
       # Tier 2 evicts to tier 3: the victim's bytes are still in `slot` until this iteration's
       # gather lands, so pack them now and issue the disk write.
       if self.disk.reserve(victim[0], content_digest(victim[1])):

@@ -24,6 +24,7 @@ is committed or unpinned.
 """
 from typing import Dict, Hashable, List, Optional, Tuple
 
+from pagedjax.host.allocator import FreeIds
 from pagedjax.host import policies
 
 
@@ -39,7 +40,7 @@ class TierIndex:
     self._slot: Dict[int, int] = {}  # key -> slot
     self._key_at: Dict[int, int] = {}  # slot -> key
     self._content: Dict[int, Hashable] = {}  # key -> what it was computed from
-    self._free: List[int] = list(range(capacity - 1, -1, -1))
+    self._free = FreeIds(0, capacity)  # memory grows with the slots used, not with capacity
     self._pending: set = set()
     self._pins: Dict[int, int] = {}  # key -> reads in flight
     self.evictions = 0
@@ -99,8 +100,7 @@ class TierIndex:
     for key, content, slot in entries:
       self._add(key, content, slot)
       self.queue.push(key)
-    taken = set(self._key_at)
-    self._free = [s for s in self._free if s not in taken]
+    self._free.take(slot for _, _, slot in entries)
 
   def _add(self, key: int, content: Hashable, slot: int) -> None:
     self._slot[key], self._key_at[slot], self._content[key] = slot, key, content
@@ -133,7 +133,7 @@ class TierIndex:
     self.queue.remove(key)
     self._pending.discard(key)
     self._pins.pop(key, None)
-    self._free.append(slot)
+    self._free.push(slot)
     return slot
 
   def _evict(self) -> Optional[Tuple[int, Hashable, int]]:
@@ -150,7 +150,7 @@ class TierIndex:
     occupancy within capacity."""
     assert len(self._slot) <= self.capacity, (len(self._slot), self.capacity)
     assert {self._key_at[s]: s for s in self._key_at} == self._slot
-    used = set(self._key_at)
-    assert len(set(self._free)) == len(self._free) and not used & set(self._free)
-    assert used | set(self._free) == set(range(self.capacity))
+    used, free = set(self._key_at), list(self._free)
+    assert len(set(free)) == len(free) == len(self._free) and not used & set(free)
+    assert len(used) + len(free) == self.capacity and all(0 <= s < self.capacity for s in used)
     assert self._pending <= set(self._slot) and set(self._pins) <= set(self._slot)

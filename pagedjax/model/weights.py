@@ -10,6 +10,10 @@ GGUF tensors are quantized (SmolLM2 ships as Q4_1/Q8_0), so a load dequantizes ~
 loads, which skips parsing and dequantizing. A cache entry is served only after it verifies
 against its manifest (source fingerprint, converter version, per-array sha256); otherwise it is
 rebuilt from the source.
+
+`params_digest` names every byte of a params tree (the disk KV tier's fingerprint includes it,
+pagedjax/tiering.py); a tree load_model restored from or wrote to a cache entry reuses the
+entry's checksums instead of hashing the arrays again.
 """
 import concurrent.futures
 import dataclasses
@@ -19,7 +23,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Optional
+import weakref
+from typing import Dict, Optional, Tuple
 
 from absl import logging
 import jax
@@ -420,10 +425,11 @@ def _one_line(error: BaseException) -> str:
 
 
 def save_cached(entry: str, cfg: ModelConfig, params, fingerprint: dict,
-                replace: bool = False) -> None:
+                replace: bool = False) -> bytes:
   """Write params (Orbax) and the manifest into a temporary directory beside `entry`, then
   rename it to `entry`. replace: remove what is at `entry` first (an entry that failed
-  verification); otherwise an entry that another process put there meanwhile is kept."""
+  verification); otherwise an entry that another process put there meanwhile is kept.
+  Returns the digest of what was written (_entry_digest: the params' digest)."""
   import orbax.checkpoint as ocp
   params = jax.device_get(params)
   parent = os.path.dirname(entry)
@@ -441,6 +447,8 @@ def save_cached(entry: str, cfg: ModelConfig, params, fingerprint: dict,
                    for name, a in _flatten(params).items()},
         'files': {rel: {'size': size, 'sha256': checksums[rel]} for rel, size in sizes.items()},
     }
+    digest = _entry_digest({k: (a['shape'], a['dtype']) for k, a in manifest['arrays'].items()},
+                           {rel: (f['size'], f['sha256']) for rel, f in manifest['files'].items()})
     manifest['manifest_sha256'] = _json_digest(manifest)
     with open(os.path.join(tmp, MANIFEST), 'w') as f:
       json.dump(manifest, f, indent=1)
@@ -456,6 +464,7 @@ def save_cached(entry: str, cfg: ModelConfig, params, fingerprint: dict,
       pass  # another process renamed its own fresh entry into place first: keep that one
   finally:
     shutil.rmtree(tmp, ignore_errors=True)  # gone already once renamed
+  return digest
 
 
 def restore_cached(entry: str, fingerprint: Optional[dict] = None):
@@ -464,10 +473,18 @@ def restore_cached(entry: str, fingerprint: Optional[dict] = None):
   fingerprint; every file under params/ against its recorded size and checksum; the restored
   arrays against the recorded paths, shapes and dtypes. Raises CacheEntryInvalid naming the
   first thing that does not verify."""
+  cfg, params, _ = _restore_verified(entry, fingerprint)
+  return cfg, params
+
+
+def _restore_verified(entry: str, fingerprint: Optional[dict]):
+  """restore_cached's (cfg, params), and the params' digest from the same manifest."""
   cfg, arrays, files = _read_manifest(entry, fingerprint)
   path = os.path.join(entry, 'params')
   _verify_files(path, files)
-  return cfg, _restore_arrays(path, arrays)
+  params = _restore_arrays(path, arrays)
+  return cfg, params, _entry_digest({k: (shape, dtype.name) for k, (shape, dtype) in
+                                     arrays.items()}, files)
 
 
 def _read_manifest(entry: str, fingerprint: Optional[dict]):
@@ -593,17 +610,74 @@ def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str]
   invalid = False
   if os.path.lexists(entry):
     try:
-      cfg, params = restore_cached(entry, fingerprint)
-      return cfg, jax.device_put(params)
+      cfg, params, digest = _restore_verified(entry, fingerprint)
+      return cfg, remember_digest(jax.device_put(params), digest)
     except CacheEntryInvalid as e:
       logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
                       entry, e, path)
       invalid = True
   cfg, params = _convert(source, path)
+  digest = None
   try:
-    save_cached(entry, cfg, params, fingerprint, replace=invalid)
+    digest = save_cached(entry, cfg, params, fingerprint, replace=invalid)
   except Exception as e:  # pylint: disable=broad-except
     # The conversion is done and in memory: a full disk or read-only cache must not lose it.
     logging.warning('could not write weights cache entry %s (%s); continuing uncached',
                     entry, _one_line(e))
-  return cfg, jax.device_put(params)
+  params = jax.device_put(params)
+  return cfg, params if digest is None else remember_digest(params, digest)
+
+
+# ---------------------------------------------------------------------------------------------
+# The params' digest: every byte of every parameter, hashed once.
+#
+# Two ways to the same guarantee (different weights, different digests): hashing the arrays
+# themselves (each leaf's bytes on a thread, sha256 releases the GIL), or, for a tree restored
+# from or written to a cache entry, the entry's own per-file sha256 (the files Orbax wrote hold
+# every value uncompressed, and a restore reads exactly them). The two kinds are prefixed
+# apart; equal weights may get different digests (an entry's and the raw one), which only
+# costs the disk tier's misses, never a wrong hit. A tree of jax arrays (immutable) is hashed
+# once and remembered while its arrays live, so engines sharing params hash them once.
+
+_DIGESTS: Dict[Tuple[int, ...], tuple] = {}  # leaf ids -> (weakrefs to the leaves, digest)
+
+
+def _entry_digest(arrays: dict, files: dict) -> bytes:
+  """arrays: name -> (shape, dtype name); files: relative path -> (size, sha256 hex)."""
+  body = json.dumps([sorted((k, list(shape), str(dtype)) for k, (shape, dtype) in arrays.items()),
+                     sorted((rel, int(size), str(sha)) for rel, (size, sha) in files.items())])
+  return hashlib.sha256(b'pagedjax-weights-cache-entry|' + body.encode()).digest()
+
+
+def _leaf_digest(leaf) -> bytes:
+  data = np.ascontiguousarray(jax.device_get(leaf)).reshape(-1).view(np.uint8)
+  return hashlib.sha256(data).digest()
+
+
+def remember_digest(params, digest: bytes):
+  """Remembers `digest` as params_digest(params) while params' arrays live; returns params.
+  Only for trees of jax arrays: a numpy leaf may change in place."""
+  leaves = jax.tree_util.tree_leaves(params)
+  if leaves and all(isinstance(x, jax.Array) for x in leaves):
+    key = tuple(id(x) for x in leaves)
+    forget = lambda _: _DIGESTS.pop(key, None)
+    _DIGESTS[key] = ([weakref.ref(x, forget) for x in leaves], digest)
+  return params
+
+
+def params_digest(params) -> bytes:
+  """32 bytes naming the params tree: every leaf's path, shape, dtype and bytes (see above)."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  leaves = [leaf for _, leaf in flat]
+  known = _DIGESTS.get(tuple(id(x) for x in leaves))
+  if known and all(ref() is x for ref, x in zip(known[0], leaves)):
+    return known[1]
+  with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+    digests = list(pool.map(_leaf_digest, leaves))
+  h = hashlib.sha256(b'pagedjax-params-bytes')
+  for (path, leaf), d in zip(flat, digests):
+    h.update(f'|{jax.tree_util.keystr(path)}{tuple(np.shape(leaf))}{np.dtype(leaf.dtype).str}|'
+             .encode() + d)
+  digest = h.digest()
+  remember_digest(params, digest)
+  return digest
