@@ -20,6 +20,9 @@ from pagedjax.config import Config
 
 def get_config(arg=None):
   config = Config().to_configdict()
+  # On CPU: the native `cpu` kernel where it builds (kernels/cpu.py), else `xla`;
+  # --config.attention.impl=xla times the plain-JAX path instead.
+  config.attention.impl = 'auto'
   config.engine.max_batch_size = 64
   config.engine.max_seq_len = 512
   config.pool.num_blocks = 1100  # 64 sequences of 256 tokens at block_size 16, and spare

@@ -19,7 +19,9 @@ token ids. Per batch B:
     what attention, norms and sampling cost when XLA compiles the step as simply as it can be
     written; step / plain is what the engine's structure (paging, Flax, padding batch 1 to 8
     rows unless engine.decode_min_rows says otherwise; this config says 1) adds on top.
-The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
+The engine's attention path is config.attention.impl (`auto`: on CPU the native `cpu` kernel,
+kernels/cpu.py, where it builds, else `xla`); summary.json's `attention_impl` names the one that
+ran. The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
 'scan', or 'unrolled' over per-layer views of the weights; 'auto', the engine's default, unrolls
 decode calls of 8 rows and more on one CPU device).
 Everything is warmed up first in a round of `warmup_output_len` new tokens (the engine compiles
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels
 from experiments import cli
 from experiments import plain_step
 from pagedjax import factory, run_info, text_data
@@ -467,6 +470,9 @@ def main(argv):
       'batches': batches, 'prompt_len': int(bench.prompt_len), 'output_len': out_len,
       'rounds': rounds, 'plain_context': plain_context,
       'decode_layers': step.decode_layers, 'unrolled_min_rows': step.unrolled_min_rows,
+      # The attention path the engine ran: config.attention.impl, 'auto' resolved as the model
+      # resolves it on this backend (on CPU: the native `cpu` kernel where it builds, else xla).
+      'attention_impl': attention_impl(typed.attention.impl),
       'rows': rows,
       # Every timed round's figures (rows hold their medians): how far rounds disagree.
       'rounds_detail': {f'{name} B={b}': figures for (name, b), figures in results.items()},
@@ -483,8 +489,14 @@ def main(argv):
   run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
   plot(os.path.join(workdir, 'bench_decode.png'), rows)
   print(summary['markdown_table'])
+  print(f'attention: {summary["attention_impl"]} (config.attention.impl='
+        f'{typed.attention.impl!r})')
   print(f'\nwrote {workdir}/summary.json, results.csv, bench_decode.png '
         f'(load average {summary["load_average_1m"]:.1f} on {os.cpu_count()} cores)')
+
+
+def attention_impl(impl: str) -> str:
+  return kernels.best_impl() if impl == 'auto' else impl
 
 
 def run_trace(engine, hf, tokenizer, model_cfg, bench, n: int, out_len: int) -> dict:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels
 from experiments import plain_step
 from pagedjax.device.step import AUTO_UNROLLED_MIN_ROWS, CompiledStep
 from pagedjax.host.sampling_params import SamplingParams
@@ -97,6 +98,9 @@ def test_bench_decode_tiny(tmp_path):
   trace = [r for r in summary['rows'] if r['kind'] == 'trace']
   assert len(trace) == 1 and trace[0]['requests'] == 2
   assert summary['num_compilations_after_warmup'] == 0  # the timed rounds compile nothing
+  # config.attention.impl is 'auto': the engine ran what the dispatcher picks on this backend.
+  assert summary['config']['attention']['impl'] == 'auto'
+  assert summary['attention_impl'] == kernels.best_impl()
   assert '| batch |' in summary['markdown_table']
   with open(tmp_path / 'results.csv') as f:
     assert len(list(csv.DictReader(f))) == len(summary['rows'])
