@@ -19,6 +19,7 @@ from configs import default
 from pagedjax import config as config_lib
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine
+from pagedjax.host import disk_store
 from pagedjax.host.disk_store import DiskStore
 from pagedjax.host.kv_tiers import BlockLayout, content_digest
 from pagedjax.host.prefix_cache import PinError, block_content, block_key, chain_keys
@@ -146,6 +147,55 @@ def test_disk_store_that_cannot_open_switches_off_with_one_warning(tmp_path):
   assert len(caught) == 1 and not store.enabled and not store.reserve(1, b'x' * 16)
 
 
+def test_a_plain_path_is_a_path_and_only_a_url_is_percent_decoded(tmp_path):
+  assert disk_store.kvstore_spec('/tmp/x/kv%20store').to_json()['path'] == '/tmp/x/kv%20store/'
+  assert disk_store.kvstore_spec('file:///tmp/x/kv%20store').to_json()['path'] == (
+      '/tmp/x/kv store/')
+  store = _store(str(tmp_path / 'kv%20store'))
+  assert store.reserve(1, b'd' * 16)
+  store.write(1, np.zeros(32, np.uint8))
+  store.flush()
+  assert [p.name for p in tmp_path.iterdir()] == ['kv%20store']
+
+
+def test_a_huge_capacity_costs_nothing_until_used_and_restores_only_written_slots(tmp_path):
+  """10^8 slots: the index keeps no per-slot list, and a restart reads the headers of the
+  slots written, not 10^8 of them (7.2 GB of headers)."""
+  store = _store(str(tmp_path), capacity=10**8)
+  for key in range(3):
+    assert store.reserve(key, bytes([key]) * 16)
+    store.write(key, np.full(32, key, np.uint8))
+  store.flush()
+  again = _store(str(tmp_path), capacity=10**8)
+  assert again.restored == 3 and len(again.index._free) == 10**8 - 3  # pylint: disable=protected-access
+  assert again.reserve(9, b'n' * 16) and again.index.slot(9) == 3  # the next never-used slot
+
+
+@pytest.mark.parametrize('url, medium', [('{tmp}', 'disk'), ('memory://huge/', 'host RAM')])
+def test_a_disk_tier_larger_than_its_medium_is_refused_naming_the_field(tmp_path, url, medium):
+  with pytest.raises(config_lib.ConfigError,
+                     match=rf'config.tiers.disk_blocks=2000000000 is not allowed: '
+                           rf'2,000,000,000 blocks of 1,080 B need .* GiB of {medium}.* at '
+                           r'most [\d,]+ blocks fit'):
+    DiskStore(url.format(tmp=tmp_path), 2_000_000_000, 1000, b'f' * 16)
+  with pytest.raises(config_lib.ConfigError, match=r'disk_blocks=3000000000 is not allowed: at '
+                                                   r'most 2,147,483,648 slots'):
+    DiskStore(url.format(tmp=tmp_path), 3_000_000_000, 1000, b'f' * 16)
+
+
+def test_tier_sizes_beyond_host_ram_are_config_errors_at_build():
+  """What the command line's --config.tiers.host_blocks=100000000000 and
+  --config.scheduler.swap_blocks=... reach: one ConfigError naming the field, value and the
+  most blocks that fit, before anything is allocated."""
+  for tiers, flat, field in ((TiersConfig(host_blocks=10**11), {}, 'tiers.host_blocks'),
+                             (TiersConfig(), {'preemption': 'swap', 'swap_blocks': 10**11},
+                              'scheduler.swap_blocks')):
+    with pytest.raises(config_lib.ConfigError,
+                       match=rf'config.{field}=100000000000 is not allowed: .* GiB of host RAM'
+                             r'.* at most [\d,]+ blocks fit'):
+      tiered_fake_engine(tiers, **flat)
+
+
 # ---- config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('fields, message', [
@@ -155,6 +205,8 @@ def test_disk_store_that_cannot_open_switches_off_with_one_warning(tmp_path):
     ({'promotion': 'always'}, r"tiers.promotion='always' is not allowed: one of \('auto'"),
     ({'eviction': 'fifo'}, r"tiers.eviction='fifo'"),
     ({'host_latency_s': -1.0}, r'tiers.host_latency_s=-1.0 is not allowed: a finite number'),
+    ({'disk_blocks': 2**31 + 1, 'disk_kvstore': 'memory://x/'},
+     r'tiers.disk_blocks=2147483649 is not allowed: at most 2,147,483,648'),
     ({'host_blocks': 4, 'enabled': False}, r'tiers.host_blocks=4 is not allowed: 0 unless '
                                            r'prefix_cache.enabled=True'),
 ])
