@@ -87,7 +87,8 @@ def test_check_names_the_bad_field():
     study_lib.check(cfg)
   cfg = config()
   cfg.cluster.routers = [['mine', 'nearest', {}]]
-  with pytest.raises(ConfigError, match=r"cluster\.routers\['mine'\]='nearest'.*one of random"):
+  with pytest.raises(ConfigError,
+                     match=r"cluster\.routers\['mine'\]='nearest'.*one of \('random'"):
     study_lib.check(cfg)
   cfg = config()
   cfg.workload.prefix_tokens = 4000

@@ -26,26 +26,32 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 promotion rule's cheapest split of load vs recompute).
 
 `make_router(name, **kwargs)` builds one by registry name or 'package.module:Class' (any class
-with `route(request, replicas) -> int`); `register(name)` adds a class to the registry.
+with `route(request, replicas) -> int`); `register(name)` adds a class to the registry (a
+host/policies.py Registry, as the scheduling and eviction policies use).
 """
 import collections
 import dataclasses
-import importlib
 import math
 import random as random_lib
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
 from pagedjax.cluster.index import KVIndex, prompt_keys
-from pagedjax.host import tier_cost
+from pagedjax.host import policies, tier_cost
 
-ROUTERS: Dict[str, type] = {}
+def _is_router_class(obj) -> bool:
+  return isinstance(obj, type) and callable(getattr(obj, 'route', None))
+
+
+# The registry helper the scheduling and caching policies use (host/policies.py): a name, or
+# 'package.module:Class', resolves to a router class; PolicyError (a ValueError) names the rest.
+ROUTERS = policies.Registry('router', _is_router_class,
+                            'a class with route(request, replicas) -> int')
 
 
 def register(name: str) -> Callable[[type], type]:
+  """A class decorator: registers the router class under `name`."""
   def add(cls: type) -> type:
-    if name in ROUTERS:
-      raise ValueError(f'router {name!r} is already registered ({ROUTERS[name].__name__})')
-    ROUTERS[name] = cls
+    ROUTERS.register(name, cls)
     cls.name = name
     return cls
   return add
@@ -53,20 +59,7 @@ def register(name: str) -> Callable[[type], type]:
 
 def router_class(name: str) -> type:
   """A registered router, or 'package.module:Class'."""
-  if name in ROUTERS:
-    return ROUTERS[name]
-  if ':' in name:
-    module, _, attr = name.partition(':')
-    try:
-      cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-      raise ValueError(f'router {name!r} does not load: {e}') from None
-    if not callable(getattr(cls, 'route', None)):
-      raise ValueError(f'router {name!r} is not allowed: its class has no route(request, '
-                       'replicas) method')
-    return cls
-  raise ValueError(f'router {name!r} is not allowed: one of {", ".join(ROUTERS)}, or '
-                   "'package.module:Class'")
+  return ROUTERS.get(name)
 
 
 def make_router(name: str, **kwargs):
