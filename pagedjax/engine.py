@@ -13,6 +13,7 @@ to the next arrival rather than slept (the lower tiers' disk writes in flight ar
 there, off the clock: they would have landed during the idle time).
 """
 import collections
+import threading
 import time
 from typing import Callable, List, Optional, Sequence as Seq, Union
 
@@ -26,7 +27,8 @@ from pagedjax.host.beam_search import BeamSearch
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.completions import Completions
 from pagedjax.host.host_tier import HostTier
-from pagedjax.host.intake import RequestError, RequestIntake  # pylint: disable=unused-import
+from pagedjax.host.intake import RequestError  # pylint: disable=unused-import  (re-exported)
+from pagedjax.host.intake import RequestIntake, prompt_list
 from pagedjax.host.lanes import Lanes
 from pagedjax.host.metrics import Metrics
 from pagedjax.host.prefix_cache import make_prefix_cache
@@ -41,6 +43,29 @@ MAX_IDLE_ITERATIONS = 1000
 
 
 class Engine:
+  """The decode loop behind a small public API.
+
+  submit(prompt, params) queues one request and returns its id; step() runs one iteration; run()
+  steps until every request submitted so far has finished and returns their completions;
+  generate(prompts, params) steps until its batch and every request submitted before it have
+  finished, and returns the completions of its own prompts only (n of each with n parallel
+  samples), in order; summary() gives the run's figures; prefix_cache.pin / unpin keep a
+  prefix's blocks on the device. Every finished request's Completion stays in `finished`
+  (request id -> Completion), whichever call drove it: after `submit(a); generate([b])`,
+  generate returns b's completion and a's is in finished[a].
+
+  Arguments: a prompt is a str (with a tokenizer) or token ids, a list or tuple of ints or a 1-D
+  integer array (numpy integers are ints; bools are not); params is a SamplingParams, a dict of
+  its fields (SamplingParams(**d), validated the same) or None (the defaults). A bad argument
+  raises RequestError naming it, its value and what is allowed, and queues nothing.
+
+  Threads: these calls may come from several threads at once. Each public call, and each
+  iteration of run and generate, holds `lock` (a threading.RLock), so no two ever interleave
+  inside the engine; concurrent generate calls are batched together by the scheduler and each
+  returns exactly its own completions. To read several attributes consistently while other
+  threads drive the engine (iterate `finished`, read `stats` and `running` together), hold
+  `engine.lock` yourself.
+  """
 
   def __init__(self, model_cfg: ModelConfig, params, config: Config = Config(), *,
                tokenizer=None, eos_id: Optional[int] = None, record_logits: bool = False,
@@ -58,7 +83,10 @@ class Engine:
     pool_cfg, eng, sched = config.pool, config.engine, config.scheduler
     self.block_size, self.tokenizer, self.eos_id = pool_cfg.block_size, tokenizer, eos_id
     self.max_seq_len = min(eng.max_seq_len, model_cfg.max_seq_len)
+    self.lock = threading.RLock()  # held by each public call (see the class docstring)
     self.prefix_cache = make_prefix_cache(config.prefix_cache, pool_cfg.block_size)
+    if self.prefix_cache is not None:  # pin() checks ids against the vocabulary, under the lock
+      self.prefix_cache.lock, self.prefix_cache.vocab_size = self.lock, model_cfg.vocab_size
     self.allocator = BlockAllocator(pool_cfg.num_blocks, shuffle_seed=shuffle_blocks_seed,
                                     cache=self.prefix_cache)
     self.block_manager = BlockManager(
@@ -117,19 +145,23 @@ class Engine:
 
   # ---- submission --------------------------------------------------------------------------
 
-  def submit(self, prompt: Union[str, Seq[int]], params: SamplingParams = SamplingParams(),
+  def submit(self, prompt: Union[str, Seq[int]],
+             params: Union[SamplingParams, dict, None] = SamplingParams(),
              arrival_time: Optional[float] = None) -> int:
-    """Validate and queue a request; raises RequestError naming what is wrong. Returns its id.
+    """Validate and queue a request; raises RequestError naming what is wrong. Returns its id
+    (with n parallel samples, the first of its n consecutive ids).
 
     arrival_time (engine-clock seconds, default now): the scheduler sees it from then on.
     """
-    return self._queue(self._checked(prompt, params, arrival_time))
+    with self.lock:
+      return self._queue(self._checked(prompt, params, arrival_time))[0]
 
-  def _checked(self, prompt, params, arrival_time) -> tuple:
+  def _checked(self, prompt, params, arrival_time, name: str = 'prompt') -> tuple:
     return self.intake.checked(prompt, params, self.clock if arrival_time is None else
-                               arrival_time)
+                               arrival_time, name)
 
-  def _queue(self, request: tuple) -> int:
+  def _queue(self, request: tuple) -> List[int]:
+    """Queues a checked request; returns the ids of the completions it will make."""
     ids, params, arrival = request
     group = self.intake.admit(ids, params, arrival)
     if group[0].beam:
@@ -137,7 +169,7 @@ class Engine:
     self.completions.track(group)
     self.stats['prompt_tokens_submitted'] += len(ids)
     self._release_arrivals()
-    return group[0].request_id
+    return [seq.request_id for seq in group]
 
   def _release_arrivals(self):
     for seq in self.intake.release(self.clock):
@@ -147,6 +179,10 @@ class Engine:
 
   def step(self) -> List[Completion]:
     """One scheduling iteration; returns the requests that finished in it."""
+    with self.lock:
+      return self._step()
+
+  def _step(self) -> List[Completion]:
     if not self.scheduler.has_work() and self.intake.pending:
       self.clock = max(self.clock, self.intake.next_arrival())  # idle until the next arrival
       if self.tiers is not None:
@@ -204,20 +240,34 @@ class Engine:
   # ---- driving -----------------------------------------------------------------------------
 
   def has_work(self) -> bool:
-    return bool(self.intake.pending) or self.scheduler.has_work()
+    with self.lock:
+      return bool(self.intake.pending) or self.scheduler.has_work()
 
   def run(self) -> List[Completion]:
-    """Step until every submitted request has finished; completions in submission order."""
-    ids = sorted(self.completions.live)
-    idle = 0
-    while self.has_work():
-      before = self._progress()
-      self.step()
-      idle = 0 if self._progress() != before else idle + 1
-      if idle >= MAX_IDLE_ITERATIONS:
-        self._abort_stalled()
-        idle = 0
-    return [self.finished[i] for i in ids]
+    """Step until every request submitted so far has finished; their completions in submission
+    order. (Requests other threads submit meanwhile are served too, but not waited for.)"""
+    with self.lock:
+      ids = sorted(self.completions.live)
+    return self._serve(ids)
+
+  def _serve(self, ids: List[int]) -> List[Completion]:
+    """Steps, one locked iteration at a time, until every request in ids has
+    finished, whichever thread's iterations finish it; returns their completions."""
+    done, idle = 0, 0  # ids[:done] have finished
+    while True:
+      with self.lock:
+        while done < len(ids) and ids[done] in self.finished:
+          done += 1
+        if done == len(ids):
+          return [self.finished[i] for i in ids]
+        before = self._progress()
+        self._step()
+        idle = 0 if self._progress() != before else idle + 1
+        if idle >= MAX_IDLE_ITERATIONS:
+          self._abort_stalled()
+          idle = 0
+      if threading.active_count() > 1:  # locks are not fair: let a thread waiting for this
+        time.sleep(0)                     # one (to submit, to step) take it between iterations
 
   def _abort_stalled(self) -> None:
     """No progress for MAX_IDLE_ITERATIONS iterations (admission and the submit checks are meant
@@ -240,13 +290,20 @@ class Engine:
     return (self.stats['generated_tokens'], len(self.finished),
             sum(seq.num_cached for seq in self.running))
 
-  def generate(self, prompts, params: SamplingParams = SamplingParams()) -> List[Completion]:
-    """Runs a batch to completion. Every prompt is checked before any is queued, so a bad one
-    raises RequestError and leaves the engine as it was."""
-    requests = [self._checked(prompt, params, None) for prompt in prompts]
-    for request in requests:
-      self._queue(request)
-    return self.run()
+  def generate(self, prompts, params: Union[SamplingParams, dict, None] = SamplingParams()
+               ) -> List[Completion]:
+    """Runs a batch (a list of prompts) and returns its completions only, in order (n of each
+    with n parallel samples). Steps until they, and every request submitted before them, have
+    finished; those others' completions are in `finished`. Every prompt is checked before any
+    is queued, so a bad one raises RequestError (naming prompts[i]) and queues nothing."""
+    prompts = prompt_list(prompts)
+    with self.lock:
+      requests = [self._checked(prompt, params, None, f'prompts[{i}]')
+                  for i, prompt in enumerate(prompts)]
+      earlier = sorted(self.completions.live)
+      ids = [rid for request in requests for rid in self._queue(request)]
+    self._serve(earlier + ids)
+    return [self.finished[i] for i in ids]
 
   # ---- figures -----------------------------------------------------------------------------
 
@@ -261,6 +318,10 @@ class Engine:
 
   def summary(self) -> dict:
     """The run's figures (host/metrics.py) with the engine's counters and settings."""
+    with self.lock:
+      return self._summary()
+
+  def _summary(self) -> dict:
     cfg = self.config
     extra = {'prefix_cache_design': cfg.prefix_cache.design} if self.prefix_cache else {}
     return self.metrics.engine_summary(

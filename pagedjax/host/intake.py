@@ -8,13 +8,15 @@ reaches it (`release`).
 import dataclasses
 import heapq
 import math
+import numbers
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from typing import List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
 from pagedjax.host import beam as beam_lib
 from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.sampling_params import SamplingParams, as_params, brief
 from pagedjax.host.sequence import Sequence, Status
 
 
@@ -22,16 +24,66 @@ class RequestError(ValueError):
   """A request rejected at submission; the engine and its other requests are unaffected."""
 
 
-def prompt_ids(prompt: Seq[int], vocab_size: int) -> List[int]:
-  """A prompt's token ids as a list of ints, or RequestError naming what is wrong (empty, or ids
-  outside the vocabulary)."""
-  prompt = list(prompt)
+def prompt_ids(prompt, vocab_size: Optional[int], name: str = 'prompt', text: bool = False,
+               shown: Optional[str] = None) -> List[int]:
+  """A prompt's token ids as a list of ints, or RequestError naming `name`, the value and what is
+  allowed. Token ids come as a list or tuple of ints, or a 1-D integer array (numpy, or anything
+  numpy can read, such as a jax array); numpy integers count as ints, bools do not. The ids must
+  lie in 0..vocab_size-1 (vocab_size None: any id >= 0), and there must be at least one. text:
+  whether the caller also takes a str (to say so when refusing something else); shown: how
+  messages show the prompt (default: name=value)."""
+  span = f'0..{vocab_size - 1}' if vocab_size is not None else '>= 0'
+  allowed = f'ints in {span}' if vocab_size is not None else 'ints >= 0'
+  shown = shown or f'{name}={brief(prompt)}'
+  if isinstance(prompt, (bytes, bytearray, memoryview)):
+    raise RequestError(f'{shown} ({type(prompt).__name__}) is not allowed: decode it to a str, '
+                       f'or pass token ids as a list of {allowed}')
+  if hasattr(prompt, '__array__') and not isinstance(prompt, np.ndarray):
+    try:
+      prompt = np.asarray(prompt)
+    except Exception as e:  # pylint: disable=broad-except  (whatever the object's __array__ does)
+      raise RequestError(f'{shown} is not readable as an array of token ids: {e}') from None
+  if isinstance(prompt, np.ndarray):
+    if prompt.ndim != 1 or prompt.dtype.kind not in 'iuO':
+      raise RequestError(f'{shown} (a {prompt.ndim}-D {prompt.dtype} array) is not allowed: '
+                         f'token ids are a 1-D integer array or a list of {allowed}')
+    prompt = prompt.tolist()
+  elif not isinstance(prompt, (list, tuple, range)):
+    hint = (' (encode text with the tokenizer first)' if isinstance(prompt, str) else '')
+    raise RequestError(f'{shown} ({type(prompt).__name__}) is not allowed: '
+                       f'{"a str (with a tokenizer), or " if text else ""}token ids as a list or '
+                       f'1-D integer array of {allowed}{hint}')
   if not prompt:
-    raise RequestError('empty prompt: a request needs at least one token')
-  bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    raise RequestError(f'{shown}: empty prompt: a request needs at least one token')
+  for i, t in enumerate(prompt):
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+      why = ' (bools are not token ids)' if isinstance(t, (bool, np.bool_)) else ''
+      raise RequestError(f'{shown}: token id {brief(t)} ({type(t).__name__}, at index {i}) is '
+                         f'not allowed: {allowed}{why}')
+  bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
   if bad:
-    raise RequestError(f'token ids {bad[:5]} out of vocabulary: allowed 0..{vocab_size - 1}')
+    raise RequestError(f'{shown}: token ids {brief(bad[:5])} out of vocabulary: allowed {span}')
   return [int(t) for t in prompt]
+
+
+def prompt_list(prompts) -> list:
+  """generate's batch as a list of prompts, or RequestError: a str or one list of token ids is
+  one prompt, not a batch (it would otherwise be read as one prompt per character or id)."""
+  if isinstance(prompts, (str, bytes)) or _one_prompt_of_ids(prompts):
+    raise RequestError(f'prompts={brief(prompts)} is one prompt: generate takes a list of '
+                       f'prompts, e.g. generate([{brief(prompts, 30)}])')
+  if isinstance(prompts, (Mapping, AbstractSet)) or not isinstance(prompts, Iterable) or (
+      isinstance(prompts, np.ndarray) and prompts.ndim == 0):
+    raise RequestError(f'prompts={brief(prompts)} ({type(prompts).__name__}) is not allowed: a '
+                       'list of prompts, each a str or token ids (a list or 1-D integer array)')
+  return list(prompts)  # a 2-D array: one prompt per row
+
+
+def _one_prompt_of_ids(value) -> bool:
+  if isinstance(value, np.ndarray):
+    return value.ndim == 1 and value.dtype.kind in 'biu'
+  return isinstance(value, (list, tuple)) and bool(value) and all(
+      isinstance(t, (int, np.integer, np.bool_)) for t in value)
 
 
 class RequestIntake:
@@ -45,23 +97,32 @@ class RequestIntake:
     self.pending: list = []  # heap of (arrival_time, request_id, Sequence) not yet visible
     self.next_id = 0
 
-  def tokens(self, prompt: Union[str, Seq[int]]) -> List[int]:
-    """The prompt as validated token ids."""
+  def tokens(self, prompt: Union[str, Seq[int]], name: str = 'prompt') -> List[int]:
+    """The prompt as validated token ids (`name` is what error messages call it)."""
+    shown = None
     if isinstance(prompt, str):
       if self.tokenizer is None:
-        raise RequestError('a text prompt needs an engine built with a tokenizer')
-      prompt = self.tokenizer.encode(prompt)
-    prompt = prompt_ids(prompt, self.vocab_size)
+        raise RequestError(f'{name}={brief(prompt)}: a text prompt needs an engine built with a '
+                           'tokenizer')
+      text = prompt
+      try:
+        prompt = self.tokenizer.encode(text)
+      except ValueError as e:  # text the tokenizer cannot take (a lone surrogate)
+        raise RequestError(f'{name}={brief(text)}: {e}') from None
+      shown = f'{name}={brief(text, 40)} (token ids {brief(prompt, 40)})'
+    prompt = prompt_ids(prompt, self.vocab_size, name, text=True, shown=shown)
     if len(prompt) >= self.max_seq_len:
-      raise RequestError(f'prompt of {len(prompt)} tokens: the maximum is '
+      raise RequestError(f'{name} of {len(prompt)} tokens: the maximum is '
                          f'{self.max_seq_len - 1} (max_seq_len {self.max_seq_len})')
     return prompt
 
-  def check(self, prompt: List[int], params: SamplingParams) -> None:
-    """Raises RequestError unless the engine can serve this request."""
+  def check(self, prompt: List[int], params: SamplingParams) -> SamplingParams:
+    """Raises RequestError unless the engine can serve this request; returns its parameters as
+    a SamplingParams (they may come as a dict of its fields, or None for the defaults)."""
     try:
+      params = as_params(params)
       params.validate()
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: a dict that SamplingParams(**d) refuses
       raise RequestError(str(e)) from None
     for name, width in (('n', params.n), ('beam_width', params.beam_width)):
       if width > self.max_batch_size:
@@ -71,7 +132,7 @@ class RequestIntake:
         raise RequestError(f'{name}={width}: a group shares blocks, which a recent-window '
                            'pool cannot')
     if params.session_id is not None and self.blocks.cache is None:
-      raise RequestError(f'session_id={params.session_id!r} needs prefix_cache.enabled=True '
+      raise RequestError(f'session_id={brief(params.session_id)} needs prefix_cache.enabled=True '
                          '(a session is the cached blocks of its turns)')
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
     # Beams run (and come back from preemption) together, each with all of its blocks: after a
@@ -84,20 +145,23 @@ class RequestIntake:
           f'request needs up to {needed} blocks of {self.blocks.block_size} tokens{group} '
           f'({longest} tokens{" each" if copies > 1 else ""}) but the pool has only '
           f'{self.blocks.allocator.num_blocks - 1}: it can never fit')
+    return params
 
-  def checked(self, prompt, params: SamplingParams, arrival_time) -> tuple:
-    """(token ids, params, arrival) of a request that passed every check."""
-    ids = self.tokens(prompt)
-    self.check(ids, params)
-    return ids, params, self.arrival(arrival_time)
+  def checked(self, prompt, params, arrival_time, name: str = 'prompt') -> tuple:
+    """(token ids, SamplingParams, arrival) of a request that passed every check."""
+    ids = self.tokens(prompt, name)
+    return ids, self.check(ids, params), self.arrival(arrival_time)
 
   def arrival(self, arrival_time) -> float:
     """A requested arrival time as engine-clock seconds."""
-    if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float, np.number)) \
-        or not math.isfinite(arrival_time) or arrival_time < 0:
-      raise RequestError(f'arrival_time={arrival_time!r} is not allowed: a finite number of '
+    try:  # float() of an int too large for one overflows
+      seconds = float(arrival_time) if isinstance(arrival_time, numbers.Real) else math.nan
+    except OverflowError:
+      seconds = math.inf
+    if isinstance(arrival_time, (bool, np.bool_)) or not math.isfinite(seconds) or seconds < 0:
+      raise RequestError(f'arrival_time={brief(arrival_time)} is not allowed: a finite number of '
                          'engine-clock seconds >= 0')
-    return float(arrival_time)
+    return seconds
 
   def admit(self, prompt: List[int], params: SamplingParams, arrival: float) -> List[Sequence]:
     """Sequences for a checked request (one, or n parallel samples), queued until `arrival`.

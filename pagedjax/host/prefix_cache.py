@@ -31,7 +31,10 @@ document, an agent scaffold) on the device: a pinned block no sequence holds is 
 neither free nor evictable, until `unpin`. A pin covers a whole prefix, so every pinned block's
 ancestors are pinned too (the radix tree's leaves-first eviction stays possible). Pins are
 counted in blocks against `pin_budget` (config tiers.pinned_blocks); a pin beyond it raises
-PinError and pins nothing. A key pinned before its block is cached is pinned once it is.
+PinError and pins nothing. A key pinned before its block is cached is pinned once it is. The ids
+are checked as a prompt is (intake.prompt_ids: ints in the vocabulary, which the engine sets as
+`vocab_size`; a prefix shorter than a block pins nothing); bad ones raise RequestError. Pins hold
+`lock`, which the engine sets to its own, so they are safe beside other threads' engine calls.
 
 Lower tiers (host/kv_tiers.py): a cache may have `lower` tiers attached (host RAM, disk). It then
 tells them when it evicts a block (`lower.evicted`: write-back, the block is demoted instead of
@@ -40,10 +43,13 @@ manager continues a prefix lookup past the device hits into them.
 """
 import array
 import hashlib
+import threading
 from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 from pagedjax.host import kv_events
 from pagedjax.host import policies
+from pagedjax.host.intake import RequestError, prompt_ids
+from pagedjax.host.sampling_params import brief, is_text
 from pagedjax.host.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
@@ -112,6 +118,8 @@ class CacheBase:
     self.pin_budget = 0  # most blocks pinned at once
     self._pins: Dict[int, int] = {}  # chain key -> pins holding it
     self._pinned_idle: set = set()  # cached blocks no sequence holds, kept by a pin
+    self.vocab_size: Optional[int] = None  # token ids pin() takes: 0..vocab_size-1 (None: >= 0)
+    self.lock = threading.RLock()  # pins hold it (the engine's, in an engine)
     self.sessions = None  # sessions.Sessions, when the engine keeps them
     self.events = kv_events.KVEvents(block_size)  # what is stored and dropped (kv_events.py)
 
@@ -132,7 +140,18 @@ class CacheBase:
 
   def pin(self, token_ids, salt=None) -> List[int]:
     """Pins the full blocks of token_ids (with this cache salt); returns their chain keys."""
-    keys = chain_keys(token_ids, self.block_size, len(token_ids) // self.block_size, salt)
+    with self.lock:
+      return self._pin(self._pin_keys(token_ids, salt))
+
+  def _pin_keys(self, token_ids, salt) -> List[int]:
+    """Chain keys of a pin's full blocks, or RequestError naming what is wrong."""
+    ids = prompt_ids(token_ids, self.vocab_size, 'token_ids')
+    if salt is not None and not is_text(salt):
+      raise RequestError(f'salt={brief(salt)} is not allowed: None or a string (the cache_salt '
+                         'of the requests the prefix serves)')
+    return chain_keys(ids, self.block_size, len(ids) // self.block_size, salt)
+
+  def _pin(self, keys: List[int]) -> List[int]:
     new = {k for k in keys if k not in self._pins}
     if len(self._pins) + len(new) > self.pin_budget:
       raise PinError(f'pinning {len(keys)} blocks ({len(new)} not pinned yet) would exceed the '
@@ -147,7 +166,10 @@ class CacheBase:
 
   def unpin(self, token_ids, salt=None) -> None:
     """Undoes one pin(token_ids, salt); blocks no other pin keeps become evictable."""
-    keys = chain_keys(token_ids, self.block_size, len(token_ids) // self.block_size, salt)
+    with self.lock:
+      self._unpin(self._pin_keys(token_ids, salt))
+
+  def _unpin(self, keys: List[int]) -> None:
     if any(k not in self._pins for k in keys):
       raise PinError('unpin of a prefix that is not pinned')
     for key in reversed(keys):  # tail first, as deallocate releases blocks

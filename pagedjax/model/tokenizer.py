@@ -38,7 +38,16 @@ class Tokenizer:
     """Ids for text; special tokens written in the text (e.g. <|im_end|>) become single ids.
 
     No BOS is prepended: SmolLM2 is trained without one (tokenizer.ggml.add_bos_token=false).
+    Raises ValueError for text that is not valid Unicode (a lone surrogate, which `tokenizers`
+    would refuse with a bare TypeError).
     """
+    if not isinstance(text, str):
+      raise TypeError(f'text must be a str, not {type(text).__name__}')
+    try:
+      text.encode('utf-8')
+    except UnicodeEncodeError as e:
+      raise ValueError(f'text is not valid Unicode: lone surrogate {text[e.start:e.end]!r} at '
+                       f'index {e.start} (allowed: text that encodes as UTF-8)') from None
     return self._tok.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
