@@ -154,7 +154,8 @@ class PoolConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-  # auto picks per backend: xla on CPU, pallas_tpu on TPU, pallas_gpu on GPU (kernels/__init__.py)
+  # auto picks per backend: cpu (the native kernel, where it builds; else xla) on CPU, pallas_tpu
+  # on TPU, pallas_gpu on GPU (kernels/__init__.py)
   impl: str = 'auto'
 
   def validate(self):
