@@ -31,13 +31,14 @@ KV_TOKENS = 307_328  # per pod, as llm-d's benchmark reports
 
 
 def router_rows():
-  """[label, registry name, keyword arguments] per router row."""
-  return [['random', 'random', {'seed': 0}],
-          ['round_robin', 'round_robin', {}],
-          ['load_aware', 'least_loaded', {'metric': 'tokens'}],
-          ['approximate', 'approx_prefix', {}],
-          ['precise', 'precise', {}],
-          ['tier_cost', 'tier_cost', {}]]
+  """(label, registry name or 'module:Class', keyword arguments) per router row; a tuple, so
+  --config.cluster.routers="(('mine', 'my_lab.routers:Mine', {}),)" overrides it."""
+  return (('random', 'random', {'seed': 0}),
+          ('round_robin', 'round_robin', {}),
+          ('load_aware', 'least_loaded', {'metric': 'tokens'}),
+          ('approximate', 'approx_prefix', {}),
+          ('precise', 'precise', {}),
+          ('tier_cost', 'tier_cost', {}))
 
 
 def get_config(arg=None):

@@ -86,8 +86,12 @@ def check(config) -> None:
          f'at most cluster.routing_replicas={c.routing_replicas}')
   labels = [row[0] for row in c.routers]
   if not labels or len(set(labels)) != len(labels):
-    fail('cluster.routers', labels, 'a non-empty list of [label, router, kwargs], labels unique')
-  for label, name, kwargs in c.routers:
+    fail('cluster.routers', labels, 'a non-empty tuple of (label, router, kwargs), labels '
+         'unique')
+  for row in c.routers:
+    if len(row) != 3:
+      fail('cluster.routers', row, 'rows of (label, router, kwargs)')
+    label, name, kwargs = row
     try:
       routers_lib.make_router(name, **dict(kwargs))
     except (ValueError, TypeError) as e:

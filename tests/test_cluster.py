@@ -68,7 +68,7 @@ def test_prefix_aware_routing_finds_more_cached_than_random():
 
 def test_study_writes_its_files(tmp_path):
   cfg = config()
-  cfg.cluster.routers = [r for r in cfg.cluster.routers if r[0] in study_lib.ORDER]
+  cfg.cluster.routers = tuple(r for r in cfg.cluster.routers if r[0] in study_lib.ORDER)
   study_lib.check(cfg)
   summary = study_lib.study(cfg, str(tmp_path))
   for name in ('stages.csv', 'routers.csv', 'replicas.csv', 'table.md', 'cluster.png',
@@ -86,7 +86,7 @@ def test_check_names_the_bad_field():
   with pytest.raises(ConfigError, match=r'workload\.rates=\(\) is not allowed'):
     study_lib.check(cfg)
   cfg = config()
-  cfg.cluster.routers = [['mine', 'nearest', {}]]
+  cfg.cluster.routers = (('mine', 'nearest', {}),)
   with pytest.raises(ConfigError,
                      match=r"cluster\.routers\['mine'\]='nearest'.*one of \('random'"):
     study_lib.check(cfg)
