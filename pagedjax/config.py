@@ -46,9 +46,13 @@ def _check_policy(field, value, registry: policies.Registry):
   """A policy field (host/policies.py): a registered name, or 'package.module:attr' imported and
   checked now, so a missing module or attribute fails at config load, not mid-run."""
   try:
-    registry.get(value)
+    policy = registry.get(value)
   except policies.PolicyError as e:
     raise ConfigError(f'config.{field}={value!r} is not allowed: {e}') from None
+  if getattr(policy, 'offline', False):
+    raise ConfigError(f'config.{field}={value!r} is not allowed: an offline policy (it needs '
+                      "the trace's future; experiments/policy_lab.py runs it), not one a "
+                      'serving engine can use')
 
 
 def _is_int(value) -> bool:

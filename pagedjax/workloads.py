@@ -16,10 +16,17 @@ prefixes token-identical whatever the tokenizer's merges would do across a bound
 
 Randomness comes from three independent streams (lengths, arrival gaps, text positions) spawned
 from one seed, so a rate sweep with a fixed seed replays the same prompts at different rates.
+
+Block-hash traces (Mooncake's, /work/shared/traces): each request gives its prompt as `hash_ids`,
+one id per 512-token block, equal ids for equal prefixes. `read_block_trace` streams and checks
+such a file (BlockTraceRecord per line); `block_trace_requests` turns it into TraceRequests whose
+tokens each id determines alone (`block_tokens`), so a prefix cache of any design and block size
+sees exactly the trace's reuse.
 """
 import dataclasses
+import json
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -301,6 +308,162 @@ def multi_turn_chat(n_conversations: int, turns: int = 4, dataset='sharegpt', *,
                                    conversation_id=c, turn=t, shared_prefix_len=shared))
       shared = len(prompt)  # the next turn's prompt starts with this whole one
   return _ordered(requests)
+
+
+# ---- block-hash traces (Mooncake) --------------------------------------------------------------
+
+TRACE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
+TRACE_FIELDS = ('timestamp', 'input_length', 'output_length', 'hash_ids')
+
+
+class TraceFormatError(ValueError):
+  """A malformed block-hash trace; the message names the file, the line and the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTraceRecord:
+  """One request of a block-hash trace, as the file has it (lengths in trace tokens)."""
+  index: int  # 0-based position in the file
+  timestamp_ms: int
+  input_length: int
+  output_length: int
+  hash_ids: tuple  # one id per TRACE_BLOCK_TOKENS-token block; the last one may be partial
+
+  @property
+  def full_blocks(self) -> int:
+    """Blocks of the prompt that are whole (only those can be cached and reused)."""
+    return self.input_length // TRACE_BLOCK_TOKENS
+
+  @property
+  def conversation(self) -> Optional[int]:
+    """The conversation this request continues, inferred: the id of its second block, the first
+    one after the root block every request shares (a later turn resends the history, so it keeps
+    that block); None when that block is not full (a longer next turn fills it with other
+    tokens, so it names no conversation)."""
+    return self.hash_ids[1] if self.full_blocks >= 2 else None
+
+
+def _record(path: str, number: int, line: str, index: int) -> BlockTraceRecord:
+  where = f'{path}:{number}'
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise TraceFormatError(f'{where}: not a JSON object ({e.msg})') from None
+  if not isinstance(row, dict):
+    raise TraceFormatError(f'{where}: a JSON {type(row).__name__}, not an object with fields '
+                           f'{", ".join(TRACE_FIELDS)}')
+  for field in TRACE_FIELDS:
+    if field not in row:
+      raise TraceFormatError(f'{where}: field {field!r} is missing (each line needs '
+                             f'{", ".join(TRACE_FIELDS)})')
+  for field in ('timestamp', 'input_length', 'output_length'):
+    value = row[field]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise TraceFormatError(f'{where}: field {field!r}={value!r} is not allowed: an integer '
+                             '>= 0')
+  hash_ids = row['hash_ids']
+  if not isinstance(hash_ids, list) or not all(
+      isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
+    raise TraceFormatError(f'{where}: field \'hash_ids\' is not allowed: a list of integers >= 0 '
+                           f'(got {str(hash_ids)[:60]})')
+  want = -(-row['input_length'] // TRACE_BLOCK_TOKENS)
+  if len(hash_ids) != want:
+    raise TraceFormatError(f'{where}: field \'hash_ids\' has {len(hash_ids)} ids, not allowed '
+                           f'for input_length={row["input_length"]}: ceil(input_length / '
+                           f'{TRACE_BLOCK_TOKENS}) = {want}')
+  return BlockTraceRecord(index, row['timestamp'], row['input_length'], row['output_length'],
+                          tuple(hash_ids))
+
+
+def read_block_trace(path: str, start: int = 0, limit: Optional[int] = None
+                     ) -> Iterator[BlockTraceRecord]:
+  """The records of a block-hash trace (JSON lines: timestamp in ms, input_length,
+  output_length, hash_ids), checked and streamed one line at a time: requests start..start +
+  limit - 1 (limit None: to the end). Every line up to the last one yielded is checked, those
+  before `start` too (their timestamps order the rest); TraceFormatError names the first bad
+  line and field. Blank lines are skipped."""
+  if not isinstance(start, int) or start < 0:
+    raise ValueError(f'start={start!r} is not allowed: an integer >= 0 (requests skipped)')
+  if limit is not None and (not isinstance(limit, int) or limit < 0):
+    raise ValueError(f'limit={limit!r} is not allowed: None (to the end) or an integer >= 0')
+  end = math.inf if limit is None else start + limit
+  index, last = 0, None
+  with open(path, encoding='utf-8') as f:
+    for number, line in enumerate(f, 1):
+      if index >= end:
+        return
+      if not line.strip():
+        continue
+      record = _record(path, number, line, index)
+      if last is not None and record.timestamp_ms < last:
+        raise TraceFormatError(f'{path}:{number}: field \'timestamp\'={record.timestamp_ms} is '
+                               f'out of order: earlier than the line before ({last}); a trace '
+                               'is in arrival order')
+      last = record.timestamp_ms
+      if index >= start:
+        yield record
+      index += 1
+
+
+def block_tokens(hash_id: int, n: int, vocab_size: int) -> list[int]:
+  """The first n token ids of the block a trace names `hash_id`: a function of the id alone
+  (SplitMix64 of the id and the position, reduced into 0..vocab_size-1), so equal ids give equal
+  tokens and different ids, in practice, different ones."""
+  if vocab_size < 2:
+    raise ValueError(f'vocab_size={vocab_size} is not allowed: at least 2')
+  with np.errstate(over='ignore'):
+    x = np.uint64(hash_id) * np.uint64(0x9E3779B97F4A7C15) + np.arange(n, dtype=np.uint64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+  return (x % np.uint64(vocab_size)).astype(np.int64).tolist()
+
+
+def scaled_lengths(record: BlockTraceRecord, length_scale: float) -> tuple:
+  """(tokens per trace block, prompt tokens, output tokens) of a record at length_scale: a
+  block becomes round(512 * length_scale) >= 1 tokens, the prompt keeps its blocks (its last
+  one cut in proportion, at least one token) and the output is scaled (at least one token)."""
+  per_block = max(1, round(TRACE_BLOCK_TOKENS * length_scale))
+  n = len(record.hash_ids)
+  tail = record.input_length - (n - 1) * TRACE_BLOCK_TOKENS if n else 0
+  prompt = (n - 1) * per_block + max(1, min(per_block, round(tail * per_block /
+                                                              TRACE_BLOCK_TOKENS))) if n else 0
+  return per_block, prompt, max(1, round(record.output_length * length_scale))
+
+
+def block_trace_requests(path: str, vocab_size: int, *, start: int = 0,
+                         limit: Optional[int] = None, time_scale: float = 1.0,
+                         length_scale: float = 1.0) -> Iterator[TraceRequest]:
+  """A block-hash trace as TraceRequests, streamed: each hash id becomes its block_tokens (inside
+  vocab_size), the last block cut to the prompt's length; max_new_tokens is the output length;
+  arrival_time is (timestamp - the first yielded request's) / 1000 * time_scale seconds.
+  length_scale < 1 shrinks every block (512 * length_scale tokens) and output for CPU-sized
+  runs, keeping the trace's reuse block for block. Requests are numbered from 0 in order;
+  conversation_id and turn are inferred (BlockTraceRecord.conversation); shared_prefix_len is
+  the tokens of the leading blocks an earlier yielded request already had."""
+  if not (isinstance(time_scale, (int, float)) and 0 <= time_scale < math.inf):
+    raise ValueError(f'time_scale={time_scale!r} is not allowed: a finite number >= 0')
+  if not (isinstance(length_scale, (int, float)) and 0 < length_scale <= 1):
+    raise ValueError(f'length_scale={length_scale!r} is not allowed: a number in (0, 1]')
+  first, seen, turns = None, set(), {}
+  for k, record in enumerate(read_block_trace(path, start, limit)):
+    first = record.timestamp_ms if first is None else first
+    per_block, prompt_len, output_len = scaled_lengths(record, length_scale)
+    ids = []
+    for h in record.hash_ids:
+      ids += block_tokens(h, per_block, vocab_size)
+    shared = 0
+    for h in record.hash_ids[:record.full_blocks]:
+      if h not in seen:
+        break
+      shared += 1
+    seen.update(record.hash_ids[:record.full_blocks])
+    conversation = record.conversation
+    turn = turns.get(conversation, 0)
+    turns[conversation] = turn + 1
+    yield TraceRequest(k, (record.timestamp_ms - first) / 1000 * time_scale, ids[:prompt_len],
+                       output_len, conversation_id=conversation, turn=turn,
+                       shared_prefix_len=min(shared * per_block, prompt_len))
 
 
 def summarize(requests: Sequence[TraceRequest], dataset=None) -> dict:

@@ -49,10 +49,11 @@ EvictionQueue (a class, instantiated once per cache or tier with no arguments)
                                   False if it was not evictable
     remove(key)                   it left the cache (evicted or forgotten)
   and asks
-    pop(can_evict) -> key | None  the next victim among evictable keys, or None if none is left;
-                                  a key for which can_evict(key) is False is passed over and
-                                  stays out of the running until requeue(key). The cache then
-                                  evicts the victim and calls remove(key).
+    pop(can_evict) -> key | None  takes the next victim out of the evictable set, or None if
+                                  none is left; a key for which can_evict(key) is False is
+                                  passed over and stays out of the running (still evictable)
+                                  until requeue(key). The cache then evicts the victim and
+                                  calls remove(key).
     requeue(key)                  a passed-over key may go now
     ranked(keys) -> list          those evictable keys in eviction order
     tick() -> int                 the cache's logical clock (sessions stamp their turns with it)
@@ -62,9 +63,12 @@ EvictionQueue (a class, instantiated once per cache or tier with no arguments)
   that is not a priority (S3-FIFO, ARC) implements the protocol itself.
   Every event reaches the queue in the order the cache sees it, so a policy may keep any
   statistics it likes (hits, ages, ghosts); it must not assume a key it never saw admitted.
+  A class with `offline = True` (Belady) needs the future and is refused by engine configs; a
+  study hands it the future (experiments/policy_lab.py).
 
 docs/policies.md walks through adding an eviction policy.
 """
+import bisect
 import heapq
 import importlib
 import itertools
@@ -95,6 +99,12 @@ class Registry:
       self._entries[name] = obj
       return obj
     return add if obj is None else add(obj)
+
+  def unregister(self, name: str) -> None:
+    """Forgets a registered name (tests and notebooks that register a policy for a while)."""
+    if name not in self._entries:
+      raise PolicyError(f'{self.kind} policy {name!r} is not registered')
+    del self._entries[name]
 
   def names(self) -> Tuple[str, ...]:
     return tuple(self._entries)
@@ -183,6 +193,7 @@ class HeapQueue(EvictionQueue):
     self.depth: Dict[Hashable, int] = {}
     self._priority: Dict[Hashable, tuple] = {}  # evictable key -> its priority
     self._heap: List[tuple] = []  # (priority, key)
+    self.last_priority: Optional[tuple] = None  # the last victim's
 
   def priority(self, key, tick: int, session: Optional[Tuple[int, int]]) -> tuple:
     raise NotImplementedError
@@ -213,6 +224,8 @@ class HeapQueue(EvictionQueue):
       if self._priority.get(key) != priority:
         continue  # stale
       if can_evict is None or can_evict(key):
+        del self._priority[key]
+        self.last_priority = priority
         return key
       # passed over: out of the heap (still evictable) until requeue(key)
     return None
@@ -284,7 +297,7 @@ class GDSF(HeapQueue):
   def pop(self, can_evict=None):
     key = super().pop(can_evict)
     if key is not None:
-      self.inflation = self._priority[key][0]
+      self.inflation = self.last_priority[0]
     return key
 
 
@@ -404,6 +417,56 @@ class S3FIFO(EvictionQueue):
     return len(self._small) + len(self._main) + len(self._parked)
 
 
+class Belady(HeapQueue):
+  """The offline optimum (Belady's MIN), adapted to prefix blocks: the evictable block whose
+  next use is furthest in the future goes first (never used again: first of all), the deepest
+  among equals, so a block never outlives its parent (its uses are a subset of its parent's:
+  a prompt that reaches a block passes its parent first).
+
+  An oracle, not an online policy: it must be told the future before any block is released,
+  with see(future, clock): future maps a chain key to the sorted positions (requests, in trace
+  order) that read it; clock() is the position being served now. experiments/policy_lab.py
+  computes both from the trace. A block's next use is fixed when it is released (the next
+  position after clock() that reads it), which is exact while requests run one at a time.
+
+  What it bounds: with requests served one at a time and every missed block cached (no
+  admission control), no policy gets more hit blocks from the same cache; hit tokens follow,
+  since every full block is the same size. What it does not: concurrency (blocks held by
+  running requests), admission control (declining to cache a block), costs that differ by
+  block (a deep block costs more to recompute), or lower tiers."""
+
+  offline = True  # needs the trace's future: config.prefix_cache.eviction cannot name it
+
+  def __init__(self):
+    super().__init__()
+    self.future: Optional[Dict[int, List[int]]] = None
+    self.clock: Optional[Callable[[], int]] = None
+    self.chain: Dict[Hashable, int] = {}
+
+  def see(self, future: Dict[int, List[int]], clock: Callable[[], int]) -> 'Belady':
+    self.future, self.clock = future, clock
+    return self
+
+  def admit(self, key, depth=0, chain_key=None):
+    super().admit(key, depth, chain_key)
+    self.chain[key] = key if chain_key is None else chain_key
+
+  def remove(self, key):
+    super().remove(key)
+    self.chain.pop(key, None)
+
+  def next_use(self, key) -> float:
+    uses = self.future.get(self.chain[key], ())
+    i = bisect.bisect_right(uses, self.clock())
+    return uses[i] if i < len(uses) else math.inf
+
+  def priority(self, key, tick, session):
+    if self.future is None:
+      raise RuntimeError('Belady is an oracle: call see(future, clock) before the cache runs '
+                         '(experiments/policy_lab.py does)')
+    return (-self.next_use(key), -self.depth[key], tick)
+
+
 def _is_queue_class(obj) -> bool:
   return isinstance(obj, type) and issubclass(obj, EvictionQueue)
 
@@ -415,6 +478,7 @@ EVICTION.register('leaves_first', LeavesFirstLRU)
 EVICTION.register('gdsf', GDSF)
 EVICTION.register('session_recency', SessionRecency)
 EVICTION.register('s3fifo', S3FIFO)
+EVICTION.register('belady', Belady)
 
 
 def eviction_queue(spec) -> EvictionQueue:

@@ -255,14 +255,15 @@ class CacheBase:
   def evict_block(self, block: int) -> bool:
     """Drops an evictable block's entry now (demoting it when lower tiers exist); False when
     the design must keep it for now (radix: it still has children)."""
+    if block not in self.queue:
+      raise KeyError(f'block {block} is not evictable')
     if not self._can_evict(block):
       return False
     self._evict_entry(block)
     return True
 
   def _evict_entry(self, block: int) -> None:
-    if block not in self.queue:
-      raise KeyError(f'block {block} is not evictable')
+    """Drops an evictable block's entry (one pop() just took, or evict_block's)."""
     self.queue.remove(block)
     if self.lower is not None:  # write-back: demoted (copied down) rather than dropped
       self.lower.evicted(block, *self.entry(block))
