@@ -179,7 +179,9 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   Float blocks pass 1-element float32 placeholders for the scales (never read)."""
   if k_scales is None:
     k_scales = v_scales = jnp.zeros((1,), jnp.float32)
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  # Under vmap (nothing in pagedjax vmaps attention) the call runs once per batch element.
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                          vmap_method='sequential')
   out = call(q.astype(jnp.float32), k_blocks, v_blocks, k_scales, v_scales, block_tables,
              context_lens, q_positions, layer, scale=np.float32(scale), splits=np.int64(splits))
   return out.astype(q.dtype)
