@@ -142,7 +142,8 @@ def main(argv):
   if _STEP.value is None:
     raise cli.WorkdirError('--step is required: pagedjax (this venv) or compare; the vLLM side '
                            'is experiments/bench_vllm_cpu_vllm.py (see bench_vllm_cpu.sh)')
-  from pagedjax.config import ConfigError, validate_config  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from pagedjax.config import ConfigError, validate_config
   config = validate_config(flags.FLAGS.config)
   batches = sorted({int(b) for b in _BATCHES.value})
   limit = config.engine.max_batch_size

@@ -1,5 +1,5 @@
-"""The attention benchmark runs end to end at its :tiny size and writes what docs/attention.md quotes
-(no time asserted), and refuses bad config fields by name.
+"""The attention benchmark runs end to end at its :tiny size and writes what docs/attention.md
+quotes (no time asserted), and refuses bad config fields by name.
 
 It runs in this process through cli.run_config (what `python -m experiments.bench_attention`
 runs after parsing its flags), with the tiny config's float32 shape only.

@@ -163,7 +163,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   P.batch = int(qd[0]), P.num_q = int(qd[1]), P.num_heads = int(qd[2]), P.head_dim = int(qd[3]);
   P.num_layers = int(kd[0]), P.num_blocks = int(kd[1]), P.num_kv_heads = int(kd[2]);
   P.block_size = int(kd[3]), P.max_blocks = int(td[1]);
-  if (kd[4] != qd[3] || P.num_heads % P.num_kv_heads) {
+  if (kd[4] != qd[3] || P.head_dim < 1 || P.num_kv_heads < 1 || P.num_heads % P.num_kv_heads) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: head_dim or head counts mismatch");
   }
   P.group = P.num_heads / P.num_kv_heads;
@@ -176,6 +176,17 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   const TaskFn task = task_for(k.element_type(), k_scales.element_type());
   if (task == nullptr) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: unsupported block/scale dtypes");
+  }
+  // The wrapper has checked the contract (kernels/contract.py); these guard the raw reads.
+  const bool quantized = k.element_type() == ffi::DataType::S8 ||
+                         k.element_type() == ffi::DataType::F8E4M3FN;
+  const size_t token_rows = k.element_count() / size_t(P.head_dim);
+  if (td[0] != qd[0] || context_lens.element_count() != size_t(qd[0]) ||
+      q_positions.element_count() != size_t(qd[0] * qd[1]) ||
+      (quantized && (k_scales.element_count() != token_rows ||
+                     v_scales.element_count() != token_rows))) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: operand shapes disagree (B, T, or "
+                                       "one scale per token and KV head)");
   }
   P.scale = scale;
   P.q = q.typed_data();
