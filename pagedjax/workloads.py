@@ -344,7 +344,7 @@ class BlockTraceRecord:
 
 
 def _record(path: str, number: int, line: str, index: int) -> BlockTraceRecord:
-  where = f'{path}:{number}'
+  where = f'{path} line {number}'
   try:
     row = json.loads(line)
   except json.JSONDecodeError as e:
@@ -396,7 +396,7 @@ def read_block_trace(path: str, start: int = 0, limit: Optional[int] = None
         continue
       record = _record(path, number, line, index)
       if last is not None and record.timestamp_ms < last:
-        raise TraceFormatError(f'{path}:{number}: field \'timestamp\'={record.timestamp_ms} is '
+        raise TraceFormatError(f'{path} line {number}: field \'timestamp\'={record.timestamp_ms} is '
                                f'out of order: earlier than the line before ({last}); a trace '
                                'is in arrival order')
       last = record.timestamp_ms
@@ -421,14 +421,20 @@ def block_tokens(hash_id: int, n: int, vocab_size: int) -> list[int]:
 
 def scaled_lengths(record: BlockTraceRecord, length_scale: float) -> tuple:
   """(tokens per trace block, prompt tokens, output tokens) of a record at length_scale: a
-  block becomes round(512 * length_scale) >= 1 tokens, the prompt keeps its blocks (its last
-  one cut in proportion, at least one token) and the output is scaled (at least one token)."""
+  block becomes round(512 * length_scale) >= 1 tokens, the prompt keeps its blocks (a partial
+  last one cut in proportion: at least one token, and still partial) and the output is scaled
+  (at least one token)."""
   per_block = max(1, round(TRACE_BLOCK_TOKENS * length_scale))
   n = len(record.hash_ids)
-  tail = record.input_length - (n - 1) * TRACE_BLOCK_TOKENS if n else 0
-  prompt = (n - 1) * per_block + max(1, min(per_block, round(tail * per_block /
-                                                              TRACE_BLOCK_TOKENS))) if n else 0
-  return per_block, prompt, max(1, round(record.output_length * length_scale))
+  if not n:
+    return per_block, 0, max(1, round(record.output_length * length_scale))
+  tail = record.input_length - (n - 1) * TRACE_BLOCK_TOKENS
+  if tail < TRACE_BLOCK_TOKENS:  # a partial block stays partial (unless a block is one token)
+    tail = max(1, min(per_block - 1, round(tail * per_block / TRACE_BLOCK_TOKENS)))
+  else:
+    tail = per_block
+  return per_block, (n - 1) * per_block + tail, max(1, round(record.output_length *
+                                                             length_scale))
 
 
 def block_trace_requests(path: str, vocab_size: int, *, start: int = 0,

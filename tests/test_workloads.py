@@ -159,3 +159,105 @@ def test_multi_turn_stops_at_max_context():
                                     max_output_len=64, max_context=300)
   assert trace and all(len(r.prompt_ids) + r.max_new_tokens <= 300 for r in trace)
   assert max(r.turn for r in trace) < 9
+
+
+# ---- block-hash traces (Mooncake) -----------------------------------------------------------
+
+MOONCAKE = '/work/shared/traces/mooncake_conversation.jsonl'
+GOOD = ['{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}',
+        '{"timestamp": 0, "input_length": 1024, "output_length": 7, "hash_ids": [0, 1]}',
+        '{"timestamp": 2500, "input_length": 1600, "output_length": 9, "hash_ids": [0, 1, 3, 4]}']
+
+
+def _trace_file(tmp_path, lines):
+  path = tmp_path / 'trace.jsonl'
+  path.write_text('\n'.join(lines) + '\n')
+  return str(path)
+
+
+def test_block_trace_reads_records_and_derives_tokens_from_ids_alone(tmp_path):
+  path = _trace_file(tmp_path, GOOD)
+  records = list(workloads.read_block_trace(path))
+  assert [r.hash_ids for r in records] == [(0, 1, 2), (0, 1), (0, 1, 3, 4)]
+  assert [r.full_blocks for r in records] == [2, 2, 3]
+  assert [r.conversation for r in records] == [1, 1, 1]
+  requests = list(workloads.block_trace_requests(path, 1000, time_scale=2.0))
+  assert [len(r.prompt_ids) for r in requests] == [1100, 1024, 1600]
+  assert [r.max_new_tokens for r in requests] == [5, 7, 9]
+  assert [r.arrival_time for r in requests] == [0.0, 0.0, 5.0]
+  assert [r.turn for r in requests] == [0, 1, 2]
+  assert [r.shared_prefix_len for r in requests] == [0, 1024, 1024]
+  a, b, c = (r.prompt_ids for r in requests)
+  assert a[:1024] == b == c[:1024] and a[1024:1100] != c[1024:1100]  # equal ids, equal tokens
+  assert max(a + b + c) < 1000 and min(a + b + c) >= 0
+  assert workloads.block_tokens(3, 512, 1000) == c[1024:1536]  # the id alone decides
+  small = list(workloads.block_trace_requests(path, 1000, start=1, limit=1, length_scale=1 / 32))
+  assert len(small) == 1 and len(small[0].prompt_ids) == 32 and small[0].arrival_time == 0.0
+  assert small[0].prompt_ids == workloads.block_tokens(0, 16, 1000) + workloads.block_tokens(
+      1, 16, 1000)
+
+
+@pytest.mark.parametrize('line, message', [
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1}', "line 2: field 'hash_ids' is "
+     'missing'),
+    ('{"timestamp": 5, "input_length": -3, "output_length": 1, "hash_ids": []}',
+     r"line 2: field 'input_length'=-3 is not allowed: an integer >= 0"),
+    ('{"timestamp": 5, "input_length": 10.5, "output_length": 1, "hash_ids": [0]}',
+     r"line 2: field 'input_length'=10.5 is not allowed"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": "2", "hash_ids": [0]}',
+     "line 2: field 'output_length'='2' is not allowed"),
+    ('{"timestamp": 5, "input_length": 1100, "output_length": 1, "hash_ids": [0, 1]}',
+     r"line 2: field 'hash_ids' has 2 ids, not allowed for input_length=1100: ceil"),
+    ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [0.5]}',
+     "line 2: field 'hash_ids' is not allowed: a list of integers"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [0]}',
+     "line 2: field 'timestamp'=-1 is not allowed"),
+    ('{"timestamp": 5, "input_length": 10', 'line 2: not a JSON object'),
+    ('[1, 2]', 'line 2: a JSON list, not an object'),
+])
+def test_a_malformed_block_trace_names_the_line_and_field(tmp_path, line, message):
+  path = _trace_file(tmp_path, [GOOD[2], line])
+  with pytest.raises(workloads.TraceFormatError, match=message):
+    list(workloads.read_block_trace(path))
+
+
+def test_block_trace_refuses_timestamps_out_of_order_and_streams(tmp_path):
+  path = _trace_file(tmp_path, [GOOD[2], GOOD[0]])
+  reader = workloads.read_block_trace(path)
+  assert next(reader).timestamp_ms == 2500  # read before the bad line is reached
+  with pytest.raises(workloads.TraceFormatError, match=r"line 2: field 'timestamp'=0 is out of "
+                     'order'):
+    next(reader)
+  assert len(list(workloads.read_block_trace(path, limit=1))) == 1  # never reads line 2
+
+
+@pytest.mark.parametrize('design, block_size', [('hash', 16), ('radix', 16), ('hash', 8)])
+def test_a_token_cache_sees_exactly_the_traces_reuse(design, block_size):
+  """The first requests of Mooncake's trace as tokens (16 per trace block), served one at a
+  time through the real BlockManager and prefix cache with room for everything: the hit tokens
+  are the trace's reuse, counted from the hash ids, block for block."""
+  from pagedjax.host.allocator import BlockAllocator  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.block_manager import BlockManager  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.prefix_cache import PrefixCache  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.sequence import Sequence  # pylint: disable=import-outside-toplevel
+  n, scale = 120, 1 / 32
+  records = list(workloads.read_block_trace(MOONCAKE, limit=n))
+  cache = {'hash': PrefixCache, 'radix': RadixCache}[design](block_size)
+  blocks = BlockManager(BlockAllocator(60000, cache=cache), block_size, 'paged', 10**6)
+  for i, r in enumerate(workloads.block_trace_requests(MOONCAKE, 49152, limit=n,
+                                                       length_scale=scale)):
+    seq = Sequence(i, r.prompt_ids, SamplingParams(max_new_tokens=1))
+    blocks.admit(seq)
+    seq.num_cached = seq.num_tokens
+    blocks.offer_full_blocks(seq)
+    blocks.deallocate(seq)
+  seen, reused = set(), 0
+  for r in records:
+    full = r.hash_ids[:r.full_blocks]
+    # a prompt that ends on a block boundary keeps its last block back (its last token runs)
+    k = next((j for j, h in enumerate(full) if h not in seen), len(full))
+    reused += min(k, r.full_blocks - (r.input_length % 512 == 0))
+    seen.update(full)
+  assert reused > 0 and cache.hit_tokens == reused * 16

@@ -310,7 +310,7 @@ class SessionRecency(HeapQueue):
   Without a session a block is an LRU block."""
 
   turn_bonus = 2000.0
-  turn_cap = 4
+  turn_cap = 2
 
   def priority(self, key, tick, session):
     if session is None:

@@ -1,0 +1,42 @@
+"""The prefix-cache policy lab on Mooncake's conversation trace (experiments/policy_lab.py): every
+eviction policy's hit rate against cache capacity, with the offline optimum (Belady) as the bound
+and LRU as the reference. A host-only replay: no model runs.
+
+  python -m experiments.policy_lab --workdir=runs/policy_lab
+  python -m experiments.policy_lab --config=configs/policy_lab.py:tiny --workdir=DIR
+
+config.lab:
+  trace         the block-hash trace (JSON lines; /work/shared/traces/README.md)
+  start, limit  the requests replayed: start..start + limit - 1 (limit 0: to the end)
+  capacities    device cache capacities in tokens (blocks of 512)
+  gap_capacity  where the goal is judged: an online policy closes half of LRU's gap to the
+                optimum there (Mooncake's prefill nodes hold 3M tokens each)
+  design        the prefix cache design replayed: hash (chain over full blocks) or radix
+  rows          experiments/policy_lab.ROWS names, or 'package.module:Class' eviction policies
+  tune          row -> values of its parameter (policy_lab.TUNABLE), chosen on the first half
+`:tiny` is a seconds-long smoke run of the same pipeline on the first 300 requests.
+"""
+import ml_collections
+
+TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
+ROWS = ['lru', 'lfu', 'session_lru', 'session_lfu', 'leaves_first', 'gdsf', 's3fifo',
+        'session_recency', 'belady']
+
+
+def get_config(arg=None):
+  config = ml_collections.ConfigDict()
+  config.variant = 'full'
+  config.lab = ml_collections.ConfigDict(dict(
+      trace=TRACE, start=0, limit=0,
+      capacities=[1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8], gap_capacity=3e6, design='hash',
+      rows=list(ROWS),
+      tune={'session_recency': [0.0, 0.25, 0.5, 1.0, 2.0, 4.0],
+            's3fifo': [0.05, 0.1, 0.2, 0.4],
+            'gdsf': [0.0, 0.02, 0.1, 0.5]}))
+  if arg == 'tiny':
+    config.variant = 'tiny'
+    config.lab.update(dict(limit=300, capacities=[1e5, 3e5, 1e6], gap_capacity=3e5,
+                           tune={'session_recency': [0.0, 1.0], 's3fifo': [0.1]}))
+  elif arg is not None:
+    raise ValueError(f'configs/policy_lab.py:{arg}: unknown variant; use :tiny or nothing')
+  return config

@@ -1,0 +1,418 @@
+"""Prefix-cache policy lab: hit rate against capacity on Mooncake's conversation trace, every
+eviction policy against the offline optimum.
+
+  python -m experiments.policy_lab --workdir=runs/policy_lab
+  python -m experiments.policy_lab --config=configs/policy_lab.py:tiny --workdir=DIR
+
+The trace (config.lab.trace, pagedjax.workloads.read_block_trace) names each prompt's 512-token
+blocks by hash id. Each request is replayed, in trace order and one at a time, through the real
+host-side cache code: the BlockManager admits it (the prefix cache's lookup, then allocation,
+evicting by the row's policy when the pool is full), its full blocks are offered to the cache,
+its turn ends (sessions.py, for rows that keep sessions) and its blocks are released. No model
+runs: a cache block stands for one trace block (the cache's block size is 1 and a prompt's
+"tokens" are its hash ids, so the hash chain is taken over the block ids), and the pool holds
+`capacity / 512` blocks. Hit rate = prompt tokens served from the cache (hit blocks x 512) /
+prompt tokens (the trace's input lengths). A prompt's partial last block is held while it runs
+and never cached, as in the engine; the engine's rule that the last prompt token always runs
+withholds one block of a prompt that ends on a block boundary. A prompt longer than the pool is
+cached up to the pool's size. Outputs are not cached: the trace names no block of them.
+
+Rows (config.lab.rows; experiments/policy_lab.ROWS): a registered eviction policy
+(pagedjax/host/policies.py) with or without sessions (a request's session is its inferred
+conversation, workloads.BlockTraceRecord.conversation), or any 'package.module:Class' (run with
+sessions: the policy sees them and may ignore them). 'belady' is the offline optimum, given the
+trace's future (policies.Belady: what it guarantees and what it does not). Every row at every
+capacity is also compared with LRU: regret = optimum - policy, gap closed = (policy - LRU) /
+(optimum - LRU).
+
+Tuning (config.lab.tune): each tunable policy's parameter is chosen on the first half of the
+requests (the best hit rate at lab.gap_capacity), then both halves are replayed with it: the
+gain over LRU on the second half, against the first half's, says whether the tuning carries
+over to requests it never saw. The full-trace rows use the first half's choice.
+
+Writes to WORKDIR:
+  curves.csv      one line per (row, capacity): hit rate, regret, gap closed, evictions, host
+                  seconds and microseconds per request
+  table.md        hit rate per row and capacity; gap closed at lab.gap_capacity
+  tuning.csv      per tuned policy and parameter value: hit rate on each half at gap_capacity
+  hit_rate.png    hit rate against capacity (log x), the infinite-capacity ceiling dashed
+  regret.png      regret against capacity, and LRU's gap closed
+  summary.json    the curves, the ceiling (replayed, and counted from the hash ids), the goals
+                  and whether each was met, the tuning, host time per request, config, versions
+Host time is this process's wall time around the replay of each point; on a shared machine it is
+a figure under load (summary.json records the load average).
+"""
+import bisect
+import math
+import os
+import time
+
+from experiments import cli
+from pagedjax import config as config_lib
+from pagedjax import run_info
+from pagedjax import workloads
+from pagedjax.host import policies
+from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host.block_manager import BlockManager
+from pagedjax.host.prefix_cache import PrefixCache, chain_keys
+from pagedjax.host.radix_cache import RadixCache
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.sequence import Sequence
+from pagedjax.host.sessions import Sessions
+
+BLOCK = workloads.TRACE_BLOCK_TOKENS
+TAIL = -1  # the "token" standing for a prompt's partial last block (never cached)
+# name -> (eviction policy, keep sessions)
+ROWS = {
+    'lru': ('lru', False),
+    'lfu': ('lfu', False),
+    'session_lru': ('lru', True),
+    'session_lfu': ('lfu', True),
+    'leaves_first': ('leaves_first', False),
+    'gdsf': ('gdsf', False),
+    's3fifo': ('s3fifo', False),
+    'session_recency': ('session_recency', True),
+    'belady': ('belady', False),
+}
+REFERENCE, OPTIMUM = 'lru', 'belady'
+# Tunable policies: (row, attribute, values). session_recency's bonus is given in cache
+# capacities (multiplied by the capacity in blocks), so one value means the same at any size.
+TUNABLE = {
+    'session_recency': 'turn_bonus_capacities',
+    's3fifo': 'small_share',
+    'gdsf': 'attention_weight',
+}
+CURVE_COLUMNS = ('row', 'capacity_tokens', 'hit_rate', 'regret', 'gap_closed', 'hit_tokens',
+                 'prompt_tokens', 'evictions', 'host_s', 'host_us_per_request')
+
+
+# ---- the trace -------------------------------------------------------------------------------
+
+
+def load(config) -> list:
+  """The records of config.lab's slice of the trace (checked as read)."""
+  lab = config.lab
+  return list(workloads.read_block_trace(lab.trace, lab.start, lab.limit or None))
+
+
+def prompt_of(record: workloads.BlockTraceRecord) -> list:
+  """A record's prompt in cache blocks: the ids of its full blocks, then TAIL for a partial
+  last block (held while the request runs, never cached)."""
+  ids = list(record.hash_ids[:record.full_blocks])
+  return ids + [TAIL] if record.input_length % BLOCK else ids
+
+
+def counted_ceiling(records) -> dict:
+  """The infinite-capacity hit rate counted from the hash ids alone (no cache code): each
+  request's leading full blocks that an earlier request had, x 512 tokens."""
+  seen, hit = set(), 0
+  for r in records:
+    full = r.hash_ids[:r.full_blocks]
+    for h in full:
+      if h not in seen:
+        break
+      hit += BLOCK
+    seen.update(full)
+  prompt = sum(r.input_length for r in records)
+  return {'hit_tokens': hit, 'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0}
+
+
+def future_uses(records, capacity_blocks: float = math.inf) -> dict:
+  """chain key -> sorted positions of the requests that can read it: what the Belady oracle
+  knows. A lookup may match all of a prompt's blocks but its last "token" (the tail, or the block
+  holding a prompt's last token, which always runs), and no more than a pool of capacity_blocks
+  lets it keep (Replay.serve cuts longer prompts)."""
+  uses = {}
+  for i, r in enumerate(records):
+    prompt = prompt_of(r)
+    for key in chain_keys(prompt, 1, int(min(len(prompt), capacity_blocks) - 1)):
+      uses.setdefault(key, []).append(i)
+  return uses
+
+
+# ---- one replay ------------------------------------------------------------------------------
+
+
+class Replay:
+  """The trace served one request at a time through a BlockManager over a pool of
+  `capacity_blocks` blocks and a prefix cache (design 'hash' or 'radix') with `queue` as its
+  eviction policy; `position` is the request being served (the oracle's clock)."""
+
+  def __init__(self, capacity_blocks: int, queue: policies.EvictionQueue, sessions: bool,
+               design: str = 'hash'):
+    self.capacity = capacity_blocks
+    self.cache = {'hash': PrefixCache, 'radix': RadixCache}[design](1, queue)
+    if sessions:
+      self.cache.sessions = Sessions()
+    self.sessions = sessions
+    allocator = BlockAllocator(capacity_blocks + 1, cache=self.cache)  # + the null block
+    self.blocks = BlockManager(allocator, 1, 'paged', max_seq_len=capacity_blocks)
+    self.position = -1
+
+  def serve(self, records) -> None:
+    for record in records:
+      self.position += 1
+      prompt = prompt_of(record)
+      if len(prompt) > self.capacity:  # cached up to the pool's size
+        prompt = prompt[:self.capacity - 1] + [TAIL]
+      session = None
+      if self.sessions and record.conversation is not None:
+        session = str(record.conversation)
+      seq = Sequence(self.position, prompt, SamplingParams(max_new_tokens=1,
+                                                           session_id=session))
+      self.blocks.admit(seq)
+      seq.num_cached = min(record.full_blocks, len(prompt))  # the full blocks are computed
+      self.blocks.offer_full_blocks(seq)
+      self.blocks.end_turn(seq, float(self.position))
+      self.blocks.deallocate(seq)
+
+
+def make_queue(row: str, capacity_blocks: int, records, params: dict
+               ) -> policies.EvictionQueue:
+  """A fresh policy instance for one replay: the row's policy, with its tuned parameter set
+  (params: row -> value); the oracle is given the future of `records`."""
+  spec = ROWS[row][0] if row in ROWS else row
+  queue = policies.EVICTION.get(spec)()
+  if row in params:
+    attribute, value = TUNABLE[row], params[row]
+    if attribute == 'turn_bonus_capacities':
+      queue.turn_bonus = value * capacity_blocks
+    else:
+      setattr(queue, attribute, value)
+  return queue
+
+
+def replay(row: str, records, capacity_tokens: float, params: dict, design: str) -> dict:
+  """Hit figures of one row at one capacity over records (infinite: math.inf)."""
+  longest = max((len(prompt_of(r)) for r in records), default=1)
+  if math.isinf(capacity_tokens):  # room for every block ever cached, and the longest prompt
+    blocks = sum(r.full_blocks for r in records) + longest + 1
+  else:
+    blocks = max(2, int(capacity_tokens // BLOCK))
+  queue = make_queue(row, blocks, records, params)
+  sessions = ROWS[row][1] if row in ROWS else True
+  run = Replay(blocks, queue, sessions, design)
+  if isinstance(queue, policies.Belady):  # the oracle sees the future
+    queue.see(future_uses(records, blocks), lambda: run.position)
+  start = time.perf_counter()
+  run.serve(records)
+  host_s = time.perf_counter() - start
+  prompt = sum(r.input_length for r in records)
+  hit = run.cache.hit_blocks * BLOCK
+  return {'row': row, 'capacity_tokens': capacity_tokens, 'hit_tokens': hit,
+          'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0.0,
+          'evictions': run.cache.evictions, 'host_s': host_s,
+          'host_us_per_request': 1e6 * host_s / max(len(records), 1)}
+
+
+# ---- the study -------------------------------------------------------------------------------
+
+
+def check(config) -> None:
+  """config.lab's fields, before anything runs: ConfigError naming the first bad one."""
+  lab = config.lab
+
+  def fail(name, value, allowed):
+    raise config_lib.ConfigError(f'config.lab.{name}={value!r} is not allowed: {allowed}')
+  if not isinstance(lab.trace, str) or not os.path.isfile(lab.trace):
+    fail('trace', lab.trace, 'a block-hash trace file that exists (JSON lines)')
+  if not isinstance(lab.start, int) or lab.start < 0:
+    fail('start', lab.start, 'an integer >= 0 (requests skipped)')
+  if not isinstance(lab.limit, int) or lab.limit < 0:
+    fail('limit', lab.limit, 'an integer >= 0 (requests replayed; 0 = to the end)')
+  caps = list(lab.capacities)
+  if not caps or any(not isinstance(c, (int, float)) or not BLOCK * 2 <= c < math.inf
+                     for c in caps) or caps != sorted(set(caps)):
+    fail('capacities', caps, f'increasing, distinct token counts >= {2 * BLOCK}')
+  if lab.gap_capacity not in caps:
+    fail('gap_capacity', lab.gap_capacity, f'one of lab.capacities={caps}')
+  if lab.design not in ('hash', 'radix'):
+    fail('design', lab.design, "'hash' or 'radix' (the prefix cache design replayed)")
+  rows = list(lab.rows)
+  if REFERENCE not in rows or OPTIMUM not in rows or len(set(rows)) != len(rows):
+    fail('rows', rows, f'distinct names including {REFERENCE!r} and {OPTIMUM!r}')
+  for row in rows:
+    if row not in ROWS:
+      try:
+        policies.EVICTION.get(row)
+      except policies.PolicyError as e:
+        fail('rows', row, f'one of {tuple(ROWS)} or an eviction policy: {e}')
+  for row, values in lab.tune.items():
+    if row not in TUNABLE or row not in rows:
+      fail('tune', row, f'a tunable row of lab.rows: one of {tuple(TUNABLE)}')
+    if not values or any(not isinstance(v, (int, float)) or v < 0 for v in values):
+      fail(f'tune.{row}', list(values), f'numbers >= 0 (values of {TUNABLE[row]})')
+
+
+def tune(config, records) -> tuple:
+  """(chosen value per tuned row, tuning rows, per-row check on the second half)."""
+  lab, half = config.lab, len(records) // 2
+  first, second = records[:half], records[half:]
+  cap = lab.gap_capacity
+  base = {name: replay(REFERENCE, part, cap, {}, lab.design)['hit_rate']
+          for name, part in (('first', first), ('second', second))}
+  chosen, table, checks = {}, [], {}
+  for row, values in lab.tune.items():
+    results = []
+    for value in values:
+      hits = {name: replay(row, part, cap, {row: value}, lab.design)['hit_rate']
+              for name, part in (('first', first), ('second', second))}
+      results.append((value, hits))
+      table.append({'row': row, 'parameter': TUNABLE[row], 'value': value,
+                    'hit_rate_first_half': hits['first'], 'hit_rate_second_half': hits['second'],
+                    'lru_first_half': base['first'], 'lru_second_half': base['second']})
+    value, hits = max(results, key=lambda vh: vh[1]['first'])
+    chosen[row] = value
+    gain_first, gain_second = hits['first'] - base['first'], hits['second'] - base['second']
+    checks[row] = {'value': value, 'gain_first_half': gain_first,
+                   'gain_second_half': gain_second,
+                   'kept_share': gain_second / gain_first if gain_first > 0 else None,
+                   'keeps_half': gain_first > 0 and gain_second >= 0.5 * gain_first}
+  return chosen, table, checks
+
+
+def add_comparisons(curves: list) -> None:
+  """Regret against the optimum and the share of LRU's gap closed, per (row, capacity)."""
+  by = {(c['row'], c['capacity_tokens']): c for c in curves}
+  for c in curves:
+    best = by[(OPTIMUM, c['capacity_tokens'])]['hit_rate']
+    lru = by[(REFERENCE, c['capacity_tokens'])]['hit_rate']
+    c['regret'] = best - c['hit_rate']
+    c['gap_closed'] = (c['hit_rate'] - lru) / (best - lru) if best - lru > 1e-12 else None
+
+
+def goals(config, curves: list, checks: dict) -> dict:
+  """The lab's goals per online row: half of LRU's gap closed at gap_capacity, never below LRU
+  at any capacity, and the tuning kept on the second half (tuned rows)."""
+  cap = config.lab.gap_capacity
+  by = {(c['row'], c['capacity_tokens']): c for c in curves}
+  caps = sorted({c['capacity_tokens'] for c in curves})
+  out = {}
+  for row in dict.fromkeys(c['row'] for c in curves):
+    if row in (REFERENCE, OPTIMUM):
+      continue
+    closed = by[(row, cap)]['gap_closed']
+    never_worse = all(by[(row, k)]['hit_rate'] >= by[(REFERENCE, k)]['hit_rate'] - 1e-12
+                      for k in caps)
+    kept = checks.get(row, {}).get('keeps_half')
+    met = closed is not None and closed >= 0.5 and never_worse and kept is not False
+    out[row] = {'gap_closed_at_gap_capacity': closed, 'never_worse_than_lru': never_worse,
+                'tuning_keeps_half': kept, 'met': met}
+  return out
+
+
+def write_tables(config, curves: list, workdir: str) -> None:
+  run_info.write_csv(os.path.join(workdir, 'curves.csv'), curves, CURVE_COLUMNS)
+  caps = sorted({c['capacity_tokens'] for c in curves})
+  by = {(c['row'], c['capacity_tokens']): c for c in curves}
+  rows = []
+  for row in dict.fromkeys(c['row'] for c in curves):
+    line = {'row': row}
+    for k in caps:
+      line[f'{k:.0e}'] = by[(row, k)]['hit_rate']
+    line['gap_closed'] = by[(row, config.lab.gap_capacity)]['gap_closed']
+    rows.append(line)
+  columns = ['row'] + [f'{k:.0e}' for k in caps] + ['gap_closed']
+  text = (f'Hit rate (prompt tokens served from cache / prompt tokens) by cache capacity '
+          f'(tokens); gap_closed: share of LRU\'s gap to the optimum closed at '
+          f'{config.lab.gap_capacity:.0e} tokens.\n\n' + run_info.markdown_table(rows, columns))
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(text + '\n')
+
+
+def plot(config, curves: list, ceiling: float, workdir: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  rows = list(dict.fromkeys(c['row'] for c in curves))
+  note = cli.variant_note(config) if hasattr(cli, 'variant_note') else ''
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for row in rows:
+    pts = [c for c in curves if c['row'] == row]
+    style = {'color': 'black', 'linewidth': 2.5} if row == OPTIMUM else {}
+    ax.plot([c['capacity_tokens'] for c in pts], [c['hit_rate'] for c in pts], marker='o',
+            markersize=3, label=row, **style)
+  ax.axhline(ceiling, linestyle='--', color='grey', label='infinite cache')
+  ax.set_xscale('log')
+  ax.set_xlabel('cache capacity (tokens, log scale)')
+  ax.set_ylabel('hit rate (prompt tokens served from cache / prompt tokens)')
+  ax.set_title(f'Prefix-cache hit rate against capacity, Mooncake conversation trace{note}',
+               fontsize=9)
+  ax.grid(True, which='both', alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'hit_rate.png'), dpi=120)
+  plt.close(fig)
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for row in rows:
+    if row == OPTIMUM:
+      continue
+    pts = [c for c in curves if c['row'] == row]
+    xs = [c['capacity_tokens'] for c in pts]
+    a1.plot(xs, [c['regret'] for c in pts], marker='o', markersize=3, label=row)
+    if row != REFERENCE:
+      a2.plot(xs, [c['gap_closed'] if c['gap_closed'] is not None else math.nan for c in pts],
+              marker='o', markersize=3, label=row)
+  a1.set_ylabel('regret (optimum hit rate - policy hit rate)')
+  a1.set_title(f'Regret against the offline optimum (Belady){note}', fontsize=9)
+  a2.axhline(0.5, linestyle='--', color='grey', label='goal: half the gap')
+  a2.axhline(0.0, color='black', linewidth=0.8)
+  a2.set_ylabel("share of LRU's gap to the optimum closed")
+  a2.set_title(f"LRU's gap closed (1 = optimal, < 0 = worse than LRU){note}", fontsize=9)
+  for a in (a1, a2):
+    a.set_xscale('log')
+    a.set_xlabel('cache capacity (tokens, log scale)')
+    a.grid(True, which='both', alpha=0.3)
+    a.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'regret.png'), dpi=120)
+  plt.close(fig)
+
+
+def study(config, workdir: str) -> dict:
+  lab = config.lab
+  records = load(config)
+  start = time.perf_counter()
+  counted = counted_ceiling(records)
+  replayed = replay(REFERENCE, records, math.inf, {}, lab.design)
+  ceiling = {'counted_from_hash_ids': counted['hit_rate'], 'replayed': replayed['hit_rate'],
+             'relative_difference': abs(replayed['hit_rate'] - counted['hit_rate']) /
+                                    counted['hit_rate'] if counted['hit_rate'] else 0.0}
+  cli.say(f"ceiling: counted {counted['hit_rate']:.4f}, replayed {replayed['hit_rate']:.4f}")
+  chosen, tuning, checks = tune(config, records) if lab.tune else ({}, [], {})
+  if tuning:
+    run_info.write_csv(os.path.join(workdir, 'tuning.csv'), tuning)
+    for row, c in checks.items():
+      cli.say(f"tuned {row}: {TUNABLE[row]}={c['value']} gain first half "
+              f"{c['gain_first_half']:+.4f}, second half {c['gain_second_half']:+.4f}")
+  curves = []
+  points = [(row, cap) for row in lab.rows for cap in lab.capacities]
+  for row, cap in cli.progress(points, desc='policy lab', unit='point'):
+    curves.append(replay(row, records, cap, chosen, lab.design))
+  add_comparisons(curves)
+  for row in lab.rows:
+    line = ' '.join(f"{c['hit_rate']:.3f}" for c in curves if c['row'] == row)
+    cli.say(f'  {row:16s} {line}')
+  write_tables(config, curves, workdir)
+  wall_s = time.perf_counter() - start
+  requests_replayed = len(records) * (len(points) + 1)
+  summary = {
+      'curves': curves, 'ceiling': ceiling, 'tuned': chosen, 'tuning': tuning,
+      'tuning_checks': checks, 'goals': goals(config, curves, checks),
+      'requests': len(records), 'prompt_tokens': counted['prompt_tokens'],
+      'host_us_per_request': 1e6 * sum(c['host_s'] for c in curves) / (
+          len(records) * len(curves)) if records and curves else None,
+      'wall_s': wall_s, 'requests_replayed': requests_replayed,
+      'timing_note': 'wall time of this process on a shared machine: a figure under load',
+      **run_info.summary_fields(config)}
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  plot(config, curves, ceiling['replayed'], workdir)
+  met = [row for row, g in summary['goals'].items() if g['met']]
+  print(f'{len(records)} requests, {len(curves)} points in {wall_s:.1f} s '
+        f"({summary['host_us_per_request']:.0f} us host time per request); goal met by: "
+        f"{', '.join(met) or 'none'}")
+  return summary
+
+
+if __name__ == '__main__':
+  cli.run_study('configs/policy_lab.py', 'Policy lab config.', study, check=check)
