@@ -167,7 +167,8 @@ def test_a_huge_capacity_costs_nothing_until_used_and_restores_only_written_slot
     store.write(key, np.full(32, key, np.uint8))
   store.flush()
   again = _store(str(tmp_path), capacity=10**8)
-  assert again.restored == 3 and len(again.index._free) == 10**8 - 3  # pylint: disable=protected-access
+  free = again.index._free  # pylint: disable=protected-access
+  assert again.restored == 3 and len(free) == 10**8 - 3
   assert again.reserve(9, b'n' * 16) and again.index.slot(9) == 3  # the next never-used slot
 
 
