@@ -30,7 +30,7 @@ def get_config(arg=None):
       trace=TRACE, start=0, limit=0,
       capacities=[1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8], gap_capacity=3e6, design='hash',
       rows=list(ROWS),
-      tune={'session_recency': [0.0, 0.25, 0.5, 1.0, 2.0, 4.0],
+      tune={'session_recency': [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
             's3fifo': [0.05, 0.1, 0.2, 0.4],
             'gdsf': [0.0, 0.02, 0.1, 0.5]}))
   if arg == 'tiny':
