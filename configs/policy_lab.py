@@ -20,7 +20,7 @@ import ml_collections
 
 TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
 ROWS = ['lru', 'lfu', 'session_lru', 'session_lfu', 'leaves_first', 'gdsf', 's3fifo',
-        'session_recency', 'belady']
+        'session_recency', 'reuse_oracle', 'belady']
 
 
 def get_config(arg=None):

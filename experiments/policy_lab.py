@@ -1,5 +1,6 @@
-"""Prefix-cache policy lab: hit rate against capacity on Mooncake's conversation trace, every
-eviction policy against the offline optimum.
+"""Prefix-cache policy lab on Mooncake's conversation trace: each eviction policy's hit rate.
+
+Hit rate against cache capacity for every eviction policy, against the offline optimum.
 
   python -m experiments.policy_lab --workdir=runs/policy_lab
   python -m experiments.policy_lab --config=configs/policy_lab.py:tiny --workdir=DIR
@@ -21,7 +22,9 @@ Rows (config.lab.rows; experiments/policy_lab.ROWS): a registered eviction polic
 (pagedjax/host/policies.py) with or without sessions (a request's session is its inferred
 conversation, workloads.BlockTraceRecord.conversation), or any 'package.module:Class' (run with
 sessions: the policy sees them and may ignore them). 'belady' is the offline optimum, given the
-trace's future (policies.Belady: what it guarantees and what it does not). Every row at every
+trace's future (policies.Belady: what it guarantees and what it does not); 'reuse_oracle' knows
+whether a block is read again but not when (policies.ReuseOracle), which splits the optimum's
+advantage into knowing which conversations return and knowing when. Every row at every
 capacity is also compared with LRU: regret = optimum - policy, gap closed = (policy - LRU) /
 (optimum - LRU).
 
@@ -72,8 +75,10 @@ ROWS = {
     'gdsf': ('gdsf', False),
     's3fifo': ('s3fifo', False),
     'session_recency': ('session_recency', True),
+    'reuse_oracle': ('reuse_oracle', False),
     'belady': ('belady', False),
 }
+OFFLINE = ('reuse_oracle', 'belady')
 REFERENCE, OPTIMUM = 'lru', 'belady'
 # Tunable policies: (row, attribute, values). session_recency's bonus is given in cache
 # capacities (multiplied by the capacity in blocks), so one value means the same at any size.
@@ -115,6 +120,25 @@ def counted_ceiling(records) -> dict:
     seen.update(full)
   prompt = sum(r.input_length for r in records)
   return {'hit_tokens': hit, 'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0}
+
+
+def continuation(records) -> list:
+  """Per turn of an inferred conversation (BlockTraceRecord.conversation; the last bucket
+  holds that turn and later ones): how many turns there were and the share followed by another
+  turn of the same conversation. What an online policy can learn about who comes back."""
+  turns = {}
+  for r in records:
+    if r.conversation is not None:
+      turns[r.conversation] = turns.get(r.conversation, 0) + 1
+  last = 5
+  counts, followed = [0] * (last + 1), [0] * (last + 1)
+  for n in turns.values():
+    for t in range(n):
+      counts[min(t, last)] += 1
+      followed[min(t, last)] += t < n - 1
+  return [{'turn': t + 1 if t < last else f'{last + 1}+', 'turns': counts[t],
+           'followed_by_another': followed[t] / counts[t] if counts[t] else None}
+          for t in range(last + 1)]
 
 
 def future_uses(records, capacity_blocks: float = math.inf) -> dict:
@@ -192,7 +216,7 @@ def replay(row: str, records, capacity_tokens: float, params: dict, design: str)
   queue = make_queue(row, blocks, records, params)
   sessions = ROWS[row][1] if row in ROWS else True
   run = Replay(blocks, queue, sessions, design)
-  if isinstance(queue, policies.Belady):  # the oracle sees the future
+  if isinstance(queue, policies.Belady):  # an oracle (Belady, ReuseOracle) sees the future
     queue.see(future_uses(records, blocks), lambda: run.position)
   start = time.perf_counter()
   run.serve(records)
@@ -289,7 +313,7 @@ def goals(config, curves: list, checks: dict) -> dict:
   caps = sorted({c['capacity_tokens'] for c in curves})
   out = {}
   for row in dict.fromkeys(c['row'] for c in curves):
-    if row in (REFERENCE, OPTIMUM):
+    if row == REFERENCE or row in OFFLINE:
       continue
     closed = by[(row, cap)]['gap_closed']
     never_worse = all(by[(row, k)]['hit_rate'] >= by[(REFERENCE, k)]['hit_rate'] - 1e-12
@@ -399,6 +423,7 @@ def study(config, workdir: str) -> dict:
   summary = {
       'curves': curves, 'ceiling': ceiling, 'tuned': chosen, 'tuning': tuning,
       'tuning_checks': checks, 'goals': goals(config, curves, checks),
+      'continuation_by_turn': continuation(records),
       'requests': len(records), 'prompt_tokens': counted['prompt_tokens'],
       'host_us_per_request': 1e6 * sum(c['host_s'] for c in curves) / (
           len(records) * len(curves)) if records and curves else None,

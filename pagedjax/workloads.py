@@ -396,9 +396,9 @@ def read_block_trace(path: str, start: int = 0, limit: Optional[int] = None
         continue
       record = _record(path, number, line, index)
       if last is not None and record.timestamp_ms < last:
-        raise TraceFormatError(f'{path} line {number}: field \'timestamp\'={record.timestamp_ms} is '
-                               f'out of order: earlier than the line before ({last}); a trace '
-                               'is in arrival order')
+        raise TraceFormatError(f'{path} line {number}: field \'timestamp\'='
+                               f'{record.timestamp_ms} is out of order: earlier than the line '
+                               f'before ({last}); a trace is in arrival order')
       last = record.timestamp_ms
       if index >= start:
         yield record

@@ -12,7 +12,7 @@ from configs import policy_lab as lab_config
 from experiments import policy_lab as lab
 from pagedjax.workloads import BlockTraceRecord
 
-ONLINE_ROWS = [row for row in lab.ROWS if row != lab.OPTIMUM]
+ONLINE_ROWS = [row for row in lab.ROWS if row not in lab.OFFLINE]
 
 
 @st.composite
@@ -42,7 +42,7 @@ def traces(draw):
 def test_belady_is_never_below_an_online_policy(records, capacity_blocks, design):
   cap = capacity_blocks * 512
   best = lab.replay(lab.OPTIMUM, records, cap, {}, design)['hit_tokens']
-  for row in ONLINE_ROWS:
+  for row in ONLINE_ROWS + ['reuse_oracle']:
     assert lab.replay(row, records, cap, {}, design)['hit_tokens'] <= best, row
 
 
@@ -77,7 +77,8 @@ def test_tiny_study(tmp_path):
   assert len(curves) == len(config.lab.rows) * 2
   assert all(c['regret'] >= 0 for c in curves)
   assert all(0 <= c['hit_rate'] <= summary['ceiling']['replayed'] + 1e-12 for c in curves)
-  assert set(summary['goals']) == set(config.lab.rows) - {lab.REFERENCE, lab.OPTIMUM}
+  assert set(summary['goals']) == set(config.lab.rows) - {lab.REFERENCE, *lab.OFFLINE}
+  assert summary['continuation_by_turn'][0]['turns'] > 0
   assert set(summary['tuned']) == set(config.lab.tune)
 
 

@@ -8,6 +8,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedjax import text_data, workloads
+from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host.block_manager import BlockManager
+from pagedjax.host.prefix_cache import PrefixCache
+from pagedjax.host.radix_cache import RadixCache
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.sequence import Sequence
 from pagedjax.workloads import LengthDist
 
 
@@ -236,12 +242,6 @@ def test_a_token_cache_sees_exactly_the_traces_reuse(design, block_size):
   """The first requests of Mooncake's trace as tokens (16 per trace block), served one at a
   time through the real BlockManager and prefix cache with room for everything: the hit tokens
   are the trace's reuse, counted from the hash ids, block for block."""
-  from pagedjax.host.allocator import BlockAllocator  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.block_manager import BlockManager  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.prefix_cache import PrefixCache  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.sequence import Sequence  # pylint: disable=import-outside-toplevel
   n, scale = 120, 1 / 32
   records = list(workloads.read_block_trace(MOONCAKE, limit=n))
   cache = {'hash': PrefixCache, 'radix': RadixCache}[design](block_size)

@@ -467,6 +467,19 @@ class Belady(HeapQueue):
     return (-self.next_use(key), -self.depth[key], tick)
 
 
+class ReuseOracle(Belady):
+  """Half an oracle, to take the optimum's advantage apart: it knows whether a block will be
+  read again, not when. Blocks never read again go first, then LRU order. What it gains over LRU
+  is what knowing which conversations come back is worth; what Belady gains over it is the
+  timing."""
+
+  def priority(self, key, tick, session):
+    if self.future is None:
+      raise RuntimeError('ReuseOracle is an oracle: call see(future, clock) before the cache '
+                         'runs (experiments/policy_lab.py does)')
+    return (0 if math.isinf(self.next_use(key)) else 1, _session_major(tick, session), tick)
+
+
 def _is_queue_class(obj) -> bool:
   return isinstance(obj, type) and issubclass(obj, EvictionQueue)
 
@@ -479,6 +492,7 @@ EVICTION.register('gdsf', GDSF)
 EVICTION.register('session_recency', SessionRecency)
 EVICTION.register('s3fifo', S3FIFO)
 EVICTION.register('belady', Belady)
+EVICTION.register('reuse_oracle', ReuseOracle)
 
 
 def eviction_queue(spec) -> EvictionQueue:
