@@ -36,12 +36,20 @@ def get_config(arg=None):
   config.block_overhead = ml_collections.ConfigDict(dict(
       context=128 if arg == 'tiny' else 2048, batch=2 if arg == 'tiny' else 8,
       block_sizes=sizes, rounds=2 if arg == 'tiny' else 30))
+  config.title = ('Block size at one KV budget: ' + ('tiny random Llama, 2 block sizes'
+                   if arg == 'tiny' else 'the reproduce_memory trace, tiny random Llama, CPU'))
+  config.table_columns = ['pool.block_size', 'pool.num_blocks', 'kv_utilization',
+                          'generated_tokens_per_s', 'kv_internal_fragmentation',
+                          'block_table_entries_mean', 'step_input_s_per_iteration',
+                          'attention_s']
   config.plot = dict(
       x='pool.block_size', logx=True,
+      row_titles=['what small blocks save', 'what small blocks cost'],
       y=[['kv_utilization', 'generated_tokens_per_s', 'mean_concurrent_sequences',
           'kv_internal_fragmentation'],
          ['block_table_entries_mean', 'block_table_bytes_per_iteration',
           'step_input_s_per_iteration', 'step_inputs_call_s', 'attention_s']],
       logy=['block_table_entries_mean', 'block_table_bytes_per_iteration',
             'step_input_s_per_iteration', 'step_inputs_call_s', 'attention_s'])
+  config.variant = arg or 'full'
   return config

@@ -26,7 +26,9 @@ def get_config(arg=None):
   config.sweep = [{'model.random.num_kv_heads': n} for n in (9, 3, 1)]
   config.plot = {'x': 'num_kv_heads', 'y': ['kv_bytes_per_token', 'max_concurrent_sequences',
                                             'decode_step_ms'], 'logx': False}
+  config.title = 'GQA: KV heads of a random SmolLM2-135M-shaped model (CPU)'
   if arg == 'tiny':
+    config.title = 'GQA: KV heads of a tiny random Llama (CPU)'
     config.model.random.update(dict(d_model=64, num_layers=2, num_heads=4, head_dim=16,
                                     ffn_dim=128, max_seq_len=512))
     config.engine.max_seq_len = 256
@@ -36,4 +38,5 @@ def get_config(arg=None):
     config.sweep = [{'model.random.num_kv_heads': n} for n in (4, 2, 1)]
   elif arg:
     raise ValueError(f'configs/ablate_gqa.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

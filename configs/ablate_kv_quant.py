@@ -52,7 +52,9 @@ def get_config(arg=None):
   config.plot = ml_collections.ConfigDict(dict(
       x='kv_bytes_per_token', y=['perplexity_delta_pct', 'greedy_agreement'],
       group='pool.kv_dtype', logx=True))
+  config.title = 'KV quantization: quality through the paged cache vs bytes, SmolLM2-135M (CPU)'
   if arg == 'tiny':
+    config.title = 'KV quantization: the pipeline on a tiny random Llama (CPU; no quality figures)'
     config.eval.update(dict(contexts=[32, 64], num_sequences=2, chunk=16, pool_budget_mb=1,
                             decode_batch=2, decode_tokens=4, decode_prompt_len=16))
     config.engine.max_seq_len = 256
@@ -60,4 +62,5 @@ def get_config(arg=None):
                     kv_point('int4', group_size=8, key_per_channel=True, recent_window=16)]
   elif arg:
     raise ValueError(f'configs/ablate_kv_quant.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

@@ -31,4 +31,5 @@ def get_config(arg=None):
     config.sampling.max_new_tokens = 16
   elif arg:
     raise ValueError(f'configs/default.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

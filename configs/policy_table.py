@@ -82,4 +82,5 @@ def get_config(arg=None):
                              max_output_len=8))
   elif arg:
     raise ValueError(f'configs/policy_table.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

@@ -16,7 +16,8 @@ arrivals at `rate`, system prompt v1 before `switch_time_s` and v2 from then on,
 user messages. Windows of the TTFT figures, by arrival time: steady state
 [steady_start_s, switch - prewarm_lead_s), across the switch [switch - prewarm_lead_s,
 switch + after_switch_s) (the pre-warm's own cost falls in it).
-`:tiny` is a seconds-long smoke run of the same pipeline.
+`:tiny` is a smoke run of the same pipeline: a 1-layer random Llama, 16 requests, one run per row
+(about 10 s from the command line, most of it compiling; under load).
 """
 import ml_collections
 
@@ -48,16 +49,21 @@ def get_config(arg=None):
       goal_ttft_p99_ratio=1.5,  # with pre-warming, across the switch / steady state
       repeats=3))  # runs per row (figures: medians): one stall of a shared CPU moves a p99
   if arg == 'tiny':
+    # A 1-layer model of width 32 and 16 requests: compiling its few step shapes is most of
+    # the run (a few seconds).
+    config.model.random.update(dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                    head_dim=16, ffn_dim=64, max_seq_len=256))
     config.engine.max_seq_len = 256
-    config.engine.max_batch_size = 4
+    config.engine.max_batch_size = 2  # prompt chunks of 1 or 2 rows: two shapes to compile
     config.engine.prefill_chunk = 32
     config.pool.num_blocks = 128 + 1
     config.scheduler.max_num_batched_tokens = 64
     config.alerts.hit_rate_window = 8
-    config.storm.update(dict(requests=24, rate=4.0, switch_time_s=3.0, system_tokens=64,
+    config.storm.update(dict(requests=16, rate=4.0, switch_time_s=3.0, system_tokens=64,
                              max_input_len=32, max_output_len=8, prewarm_lead_s=0.5,
                              throttle_prefill_tokens=32, steady_start_s=0.5,
                              after_switch_s=2.0, repeats=1))
   elif arg:
     raise ValueError(f'configs/recompute_storm.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

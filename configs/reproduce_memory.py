@@ -51,4 +51,5 @@ def get_config(arg=None):
                              calibrate=False))
   elif arg:
     raise ValueError(f'configs/reproduce_memory.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

@@ -66,4 +66,5 @@ def get_config(arg=None):
   elif arg:
     raise ValueError(f'configs/reproduce_sharing.py: unknown variant {arg!r}; allowed: tiny, '
                      'tiny_beam')
+  config.variant = arg or 'full'
   return config

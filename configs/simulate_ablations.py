@@ -12,6 +12,10 @@ not calibrated, and the cost model reads a quantized pool at its stored size (de
 assumed free, as in kernels that fuse it), so absolute tokens/s are estimates; the ratios
 between points are the result. Weights are not changed by the ablation except the k/v
 projections' size; quality is another study (configs/ablate_kv_quant.py measures it on SmolLM2).
+
+  python -m experiments.simulate --config=configs/simulate_ablations.py:tiny --workdir=runs/sim_abl_tiny
+
+`:tiny` simulates two points (bf16 and int4 KV, 8 KV heads) on 50 requests.
 """
 import ml_collections
 
@@ -47,9 +51,11 @@ def get_config(arg=None):
                           'mean_concurrent_sequences', 'generated_tokens_per_s', 'tpot_p50_s',
                           'preemptions', 'simulator_wall_s']
   if arg == 'tiny':
+    config.title = 'KV dtype ablation pipeline: Llama-3-8B on 1x H100 SXM, 50 ShareGPT-like requests'
     config.trace.num_requests = 50
     config.sweep = [{'engine.max_batch_size': 256, 'sim.num_kv_heads': 8, 'pool.kv_dtype': d}
                     for d in ('bfloat16', 'int4')]
   elif arg:
     raise ValueError(f'configs/simulate_ablations.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

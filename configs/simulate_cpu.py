@@ -2,7 +2,8 @@
 
   python -m experiments.simulate --config=configs/simulate_cpu.py --workdir=runs/sim_cpu --calibrate
   python -m experiments.simulate --config=configs/simulate_cpu.py --workdir=runs/sim_cpu_replay
-  python -m experiments.simulate --config=configs/simulate_cpu.py:tiny --workdir=/tmp/c --calibrate
+  python -m experiments.simulate --config=configs/simulate_cpu.py:tiny --workdir=runs/sim_cpu_tiny --calibrate
+  python -m experiments.simulate --config=configs/simulate_cpu.py:tiny --workdir=runs/sim_cpu_tiny_replay
 
 --calibrate profiles the real jitted step of SmolLM2-135M-Instruct (float32, xla attention) over
 every (rows, tokens, table width) bucket this engine config uses, at several contexts and fill
@@ -10,7 +11,11 @@ levels, in `calibration.rounds` shuffled rounds; between rounds it runs the real
 trace below (`calibration.validation_runs` times), so profile and validation share the machine's
 load. It fits the cost model (pagedjax/sim/calibrate.py), writes WORKDIR/hardware_profile.json,
 and reports per-iteration and end-to-end errors of the simulation against those real runs.
-Without --calibrate, the same trace is simulated with the profile named in sim.hardware.
+Without --calibrate, the same trace is simulated with the profile named in sim.hardware (the one
+the first command writes; another: --config.sim.hardware=DIR/hardware_profile.json).
+`:tiny` is the same pipeline on a 1-layer random Llama (seconds): its profile is
+runs/sim_cpu_tiny/hardware_profile.json, and its replay simulates that model (sim.model
+'config.model'), not SmolLM2.
 
 The trace: ShareGPT's length laws clipped to 256 prompt / 96 output tokens (calibrate=False:
 the plain laws clipped, so the means are lower than ShareGPT's), Poisson arrivals at 0.33
@@ -44,6 +49,9 @@ def get_config(arg=None):
   config.calibration = ml_collections.ConfigDict(dict(
       rounds=6, validation_runs=3, fills=[0.25, 0.5, 1.0], peak_rounds=5, copy_mb=256))
   if arg == 'tiny':
+    config.sim.model = 'config.model'  # the replay simulates the model that was calibrated
+    config.sim.hardware = 'runs/sim_cpu_tiny/hardware_profile.json'
+    config.title = 'A tiny random Llama on this CPU with its calibrated profile'
     config.model.source = 'random'
     config.model.random.update(dict(vocab_size=256, d_model=32, num_layers=1, num_heads=2,
                                     num_kv_heads=1, head_dim=16, ffn_dim=64, max_seq_len=256))
@@ -57,4 +65,5 @@ def get_config(arg=None):
                                    copy_mb=16))
   elif arg:
     raise ValueError(f'configs/simulate_cpu.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

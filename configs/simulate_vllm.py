@@ -11,7 +11,9 @@ engine.max_seq_len = 2048 slots per request at admission (the paper's "Orca (Max
 allocates blocks on demand. A ShareGPT-like trace (vLLM paper means: 161 in / 338 out tokens)
 replays at each request rate; the study reports, per latency threshold, the highest rate each
 design sustains with mean normalized latency (end-to-end seconds per output token) under it,
-and the paged / contiguous ratio. `:tiny` is a seconds-long smoke run of the same pipeline.
+and the paged / contiguous ratio. `:tiny` is a smoke run of the same pipeline (under a second of
+simulation): SmolLM2-135M's shape on the A100 40GB with a 65-block pool, 16 short requests, two
+rates.
 """
 import ml_collections
 
@@ -67,6 +69,9 @@ def get_config(arg=None):
                              calibrate=False))
     config.sweep = [{'pool.kind': k, 'trace.rate': r} for k in KINDS for r in (20.0, 80.0)]
     config.latency_thresholds = [0.01]
+    config.title = ('vLLM memory study pipeline: SmolLM2-135M on 1x A100 40GB, 65-block pool, '
+                    '16 short ShareGPT-like requests')
   elif arg:
     raise ValueError(f'configs/simulate_vllm.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
   return config

@@ -122,4 +122,5 @@ def get_config(arg=None):
     raise ValueError(f'configs/thrashing.py: unknown variant {arg!r}; allowed: tiny, sim')
   # Every run sets its own pool (thrashing.pool_blocks); this one is what validation sees.
   config.pool.num_blocks = config.thrashing.chosen_pool + 1
+  config.variant = arg or 'full'
   return config

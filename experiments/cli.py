@@ -1,5 +1,22 @@
-"""What every experiment entry point shares: its --config/--workdir flags, the checks it makes
-before any model loads, and errors that read as one line instead of a traceback.
+"""What every experiment entry point shares: its --config/--workdir flags and --help, the checks
+it makes before any model loads, errors that read as one line instead of a traceback, progress
+bars, and the list of files a run wrote.
+
+A study is `study(config, workdir, **options) -> summary dict`; its whole `__main__` is
+
+  if __name__ == '__main__':
+    cli.run_study('configs/NAME.py', 'What the config holds.', study, check=check)
+
+and `python -m experiments.NAME --config=configs/NAME.py[:tiny] --workdir=DIR` then validates
+the config (pagedjax.config.validate_config, then `check(config, **options)`), creates DIR, holds its lock,
+prints what runs (the config's variant included), runs the study, and lists the files it wrote.
+`run_config(study, config, workdir, check)` is the same without flags: what tests call.
+A study's own flags are defined with `study_flag(flags.DEFINE_bool, 'calibrate', False, help)`
+before run_study; their values reach `study` as keywords. --help shows --config, --workdir and
+those flags, after the entry point's docstring and the config file's (what the study measures,
+its commands, its variants).
+
+Entry points that do not fit that shape (decode, bench_*) use the parts:
 
   if __name__ == '__main__':
     cli.define_flags('configs/default.py', 'Experiment config.')
@@ -10,13 +27,17 @@ override of a field the config does not have, a config file that does not load) 
 `error: <what, the value, what is allowed>` to stderr and exits with status 2. Anything else is
 a bug and keeps its traceback.
 """
+import ast
 import contextlib
 import fcntl
 import os
 import re
 import sys
 import tempfile
-from typing import Optional
+import time
+from typing import Callable, Optional
+
+import tqdm
 
 from absl import app
 from absl import flags
@@ -32,6 +53,7 @@ _CONFIG_FLAG = re.compile(r'^--?config(=|$)')
 _OVERRIDE_FLAG = re.compile(r'^--?(?:no)?config\.([^=]+)(?:=(.*))?$')
 _DEFAULT_CONFIG = [None]  # the config file used when the command line names none
 _HELD_LOCKS = {}  # realpath of a locked workdir -> its open lock file (this process's)
+_STUDY_FLAGS = []  # names of the flags study_flag defined: run_study passes them to the study
 
 
 class WorkdirError(ValueError):
@@ -48,7 +70,9 @@ def fail(message: str) -> None:
 
 
 def define_flags(default_config: Optional[str], help_string: str, lock_config: bool = True):
-  """--config (a config file, `path.py:arg`, with --config.a.b=value overrides) and --workdir.
+  """--config (a config file, `path.py:arg`, with --config.a.b=value overrides) and --workdir,
+  both key flags of the main module (so plain --help lists them), and the config file's
+  docstring added to --help (see help_doc).
 
   The config flag is defined without a default: ml_collections parses a default file, with the
   command line's overrides, the moment the flag is defined, where an unknown override field
@@ -56,9 +80,61 @@ def define_flags(default_config: Optional[str], help_string: str, lock_config: b
   line instead.
   """
   _DEFAULT_CONFIG[0] = default_config
-  help_string += f' Default: {default_config}.' if default_config else ' Required.'
-  config_flags.DEFINE_config_file('config', None, help_string, lock_config=lock_config)
-  flags.DEFINE_string('workdir', None, 'Output directory (created if missing).', required=True)
+  help_string += ' A Python file with get_config(arg); `file.py:arg` picks a variant (e.g. :tiny).'
+  if not default_config:
+    help_string += ' Required.'
+  config = config_flags.DEFINE_config_file('config', None, help_string, lock_config=lock_config)
+  if default_config:  # what --help shows as the default (the flag itself has none, see above)
+    flags.FLAGS['config'].default_as_str = repr(default_config)
+  workdir = flags.DEFINE_string('workdir', None, 'Output directory (created if missing).',
+                                required=True)
+  for holder in (config, workdir):
+    _key_flag_of_main(holder.name)
+  main = sys.modules.get('__main__')
+  if main is not None:
+    main.__doc__ = help_doc(main.__doc__, _config_path(sys.argv) or default_config)
+
+
+def _key_flag_of_main(name: str) -> None:
+  """Lists flag `name` in plain --help: absl shows there only the main module's key flags, and
+  a flag defined here (experiments.cli) is this module's. absl names the main module by
+  sys.argv[0] (flags.FLAGS.main_module_help)."""
+  flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
+def study_flag(define: Callable, name: str, default, help_string: str, **kwargs):
+  """A flag of one study, e.g. study_flag(flags.DEFINE_bool, 'calibrate', False, 'help'):
+  defined with `define` (any absl DEFINE_*), listed by plain --help next to --config and
+  --workdir, and passed by run_study to the study as the keyword argument `name`. Returns the
+  FlagHolder."""
+  holder = define(name, default, help_string, **kwargs)
+  _key_flag_of_main(name)
+  if name not in _STUDY_FLAGS:
+    _STUDY_FLAGS.append(name)
+  return holder
+
+
+def config_docstring(path: Optional[str]) -> Optional[str]:
+  """The docstring of the config file `path` (or `path:arg`), read without running the file;
+  None if there is none or the file does not read."""
+  if not path:
+    return None
+  try:
+    with open(path.split(':', 1)[0]) as f:
+      return ast.get_docstring(ast.parse(f.read()))
+  except (OSError, SyntaxError, ValueError):
+    return None
+
+
+def help_doc(entry_doc: Optional[str], config_path: Optional[str]) -> str:
+  """--help's text above the flags: the entry point's docstring, then its config file's (the
+  config of --config, or the default). absl %-formats this text with sys.argv[0], so every '%'
+  is doubled."""
+  parts = [(entry_doc or '').strip()]
+  config_doc = config_docstring(config_path)
+  if config_doc and config_doc.strip() not in parts[0]:
+    parts.append(f'Config {config_path}:\n\n{config_doc.strip()}')
+  return '\n\n'.join(p for p in parts if p).replace('%%', '%').replace('%', '%%') + '\n'
 
 
 def _last_line(error: BaseException) -> str:
@@ -138,21 +214,161 @@ def run(main) -> None:
   app.run(guarded, flags_parser=parse_flags)
 
 
-def run_study(default_config: str, help_string: str, study, check=None) -> None:
-  """The whole `__main__` of a study: --config (default_config) and --workdir flags; the config
-  validated (and checked by `check(config)`, if given) before the workdir is made; then
-  study(config, workdir) under the workdir's lock, user errors reported as one line."""
+def run_study(default_config: str, help_string: str, study, check=None,
+              validate: bool = True) -> None:
+  """The whole `__main__` of a study: --config (default_config) and --workdir flags; then
+  run_config with the parsed config and workdir, and every study_flag's value as a keyword of
+  `study`; user errors reported as one line."""
   define_flags(default_config, help_string, lock_config=False)
 
   def main(argv):
     del argv
-    config = validate_config(flags.FLAGS.config)
-    if check is not None:
-      check(config)
-    workdir = prepare_workdir(flags.FLAGS.workdir)
-    with lock_workdir(workdir, 'study'):
-      study(config, workdir)
+    options = {name: flags.FLAGS[name].value for name in _STUDY_FLAGS}
+    run_config(study, flags.FLAGS.config, flags.FLAGS.workdir, check=check, validate=validate,
+               **options)
   run(main)
+
+
+def run_config(study, config, workdir: Optional[str], check=None, validate: bool = True,
+               **options):
+  """One study run, the same from the command line and from tests: the config validated
+  (pagedjax.config.validate_config, unless validate is False: a study whose base config is
+  completed per point, whose `check` validates each point) and checked by
+  `check(config, **options)`, if given, before the workdir is made; a line saying what runs
+  (with the config's variant: a `:tiny` run says it is one); study(config, workdir, **options)
+  under the workdir's lock; then the files it wrote and the time it took. Returns the study's
+  result."""
+  if validate:
+    config = validate_config(config)
+  if check is not None:
+    check(config, **options)
+  workdir = prepare_workdir(workdir)
+  print(f'{study_title(study, config)} -> {workdir}', flush=True)
+  start, before = time.perf_counter(), _files(workdir)
+  with lock_workdir(workdir, 'study'):
+    result = study(config, workdir, **options)
+  print(f'wrote ({time.perf_counter() - start:.1f} s):', flush=True)
+  for line in written(workdir, before):
+    print(f'  {line}')
+  return result
+
+
+def study_title(study, config) -> str:
+  """config.title, else the first line of the study's module docstring; with the config's
+  variant."""
+  if config.get('title', None):
+    return str(config.title) + variant_note(config)
+  module = sys.modules.get(getattr(study, '__module__', ''), None)
+  doc = (getattr(module, '__doc__', None) or getattr(study, '__name__', 'study')).strip()
+  return doc.splitlines()[0].rstrip('.') + variant_note(config)
+
+
+def variant(config) -> str:
+  """The config's variant: `config.variant` as its get_config set it ('full' if unset)."""
+  return str(config.get('variant', None) or 'full')
+
+
+def variant_note(config) -> str:
+  """'' for the full study; ' [tiny variant: ...]' (words for titles and stdout) otherwise."""
+  name = variant(config)
+  if name == 'full':
+    return ''
+  if name.startswith('tiny'):
+    return f' [{name} variant: a smoke-size run of the same pipeline, not the study\'s figures]'
+  return f' [{name} variant]'
+
+
+def _files(workdir: str) -> dict:
+  out = {}
+  for root, _, names in os.walk(workdir):
+    for name in names:
+      path = os.path.join(root, name)
+      with contextlib.suppress(OSError):
+        st = os.stat(path)
+        out[os.path.relpath(path, workdir)] = (st.st_mtime_ns, st.st_size)
+  return out
+
+
+def written(workdir: str, before: dict, per_directory: int = 4) -> list:
+  """The files under workdir that are new or changed since `before` (_files), as lines; a top
+  directory holding more than `per_directory` of them is one line with their count. Hidden files
+  (the lock, temporaries) are left out."""
+  changed = sorted(p for p, stat in _files(workdir).items()
+                   if before.get(p) != stat and not any(
+                       part.startswith('.') for part in p.split(os.sep)))
+  by_top = {}
+  for path in changed:
+    top = path.split(os.sep)[0] if os.sep in path else ''
+    by_top.setdefault(top, []).append(path)
+  lines = []
+  for top, paths in sorted(by_top.items()):
+    if top and len(paths) > per_directory:
+      lines.append(f'{os.path.join(workdir, top)}/ ({len(paths)} files)')
+    else:
+      lines += [os.path.join(workdir, p) for p in paths]
+  return lines
+
+
+def progress(iterable=None, desc: str = '', **kwargs):
+  """A tqdm progress bar on stderr for a loop of a study (results go to stdout). Lines printed
+  during it should go through `say` so they do not tear the bar."""
+  kwargs.setdefault('file', sys.stderr)
+  kwargs.setdefault('dynamic_ncols', True)
+  kwargs.setdefault('leave', False)
+  return tqdm.tqdm(iterable, desc=desc, **kwargs)
+
+
+def say(line: str) -> None:
+  """A line on stdout that leaves any progress bar whole."""
+  tqdm.tqdm.write(line, file=sys.stdout)
+  sys.stdout.flush()
+
+
+PROFILE_REQUIREMENTS = 'requirements-profile.txt'
+
+
+def report_trace(profile_dir: str) -> list:
+  """After jax.profiler.stop_trace(): prints where the trace went and how to open it (xprof,
+  the optional extra in requirements-profile.txt, or Perfetto's web UI); returns the trace
+  files."""
+  profile_dir = os.path.abspath(profile_dir)
+  traces = []
+  for root, _, names in os.walk(profile_dir):
+    traces += sorted(os.path.join(root, n) for n in names
+                     if n.endswith(('.trace.json.gz', '.xplane.pb')))
+  print(f'profile trace in {profile_dir}:')
+  for path in traces:
+    print(f'  {path}')
+  print(f'open it with: xprof --logdir={profile_dir} --port=8791   (then http://localhost:8791; '
+        f'pip install -r {PROFILE_REQUIREMENTS} installs xprof)')
+  json_traces = [p for p in traces if p.endswith('.trace.json.gz')]
+  if json_traces:
+    print(f'or load {json_traces[-1]} at https://ui.perfetto.dev (no install)')
+  return traces
+
+
+def command_line_overrides(argv=None) -> list:
+  """The dotted fields the command line overrides (--config.a.b=value: 'a.b')."""
+  argv = sys.argv if argv is None else argv
+  return [m.group(1) for m in map(_OVERRIDE_FLAG.match, argv[1:]) if m]
+
+
+def refuse_swept_overrides(config, argv=None) -> None:
+  """A sweep sets its swept fields per point, so a command-line override of one would be
+  silently replaced at every point: ConfigError naming it, the points' values and what to do
+  instead (cut or change config.sweep)."""
+  swept = {}
+  for point in config.get('sweep') or ():
+    for key, value in dict(point).items():
+      swept.setdefault(key, []).append(value)
+  for field in command_line_overrides(argv):
+    hits = [k for k in swept if k == field or k.startswith(field + '.')]
+    if hits:
+      values = sorted(set(map(str, swept[hits[0]])), key=lambda v: (len(v), v))
+      raise ConfigError(
+          f'--config.{field} is not allowed: config.sweep sets {hits[0]} per point '
+          f'({", ".join(values)}) and would replace the override at each one; change the '
+          'points (config.sweep in the config file, or a config file building on it) instead')
 
 
 def quiet_libraries(argv) -> None:

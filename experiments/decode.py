@@ -5,8 +5,11 @@
   python -m experiments.decode --workdir=runs/default --profile_dir=runs/default/profile
 
 Runs the prompts twice on the same engine: the first pass compiles every bucketed step shape,
-the second is timed for tokens_per_second (and must not compile again). Writes
-WORKDIR/summary.json.
+the second is timed for tokens_per_second (and must not compile again). Prints each completion
+and a table of figures; writes WORKDIR/summary.json (figures, completions, config, versions,
+git state, machine load), results.csv (the figures, one column each) and completions.csv.
+--profile_dir traces the second pass and prints where the trace is and the command that opens
+it (xprof: `pip install -r requirements-profile.txt`).
 
 Tensor parallelism: `--config.mesh.model=4` splits the pool over KV heads and the weights over
 heads and MLP columns (pagedjax/model/sharding.py). On a CPU-only machine the run asks JAX for that
@@ -43,8 +46,9 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes, with --distributed.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0-based, with --distributed.')
 _PROFILE_DIR = flags.DEFINE_string(
-    'profile_dir', None, 'Write a jax.profiler trace (TensorBoard/Perfetto) of the timed second '
-    'pass here (warm: its steps compile nothing; its tokens/s then include the tracer\'s cost).')
+    'profile_dir', None, 'Write a jax.profiler trace of the timed second pass here (warm: its '
+    'steps compile nothing; its tokens/s then include the tracer\'s cost); the run prints the '
+    'trace\'s path and the command that opens it (xprof, from requirements-profile.txt).')
 
 
 def run_pass(engine, prompts, params):
@@ -132,8 +136,10 @@ def main(argv):
   finally:
     if _PROFILE_DIR.value:
       jax.profiler.stop_trace()
+      if writer:
+        cli.report_trace(_PROFILE_DIR.value)
 
-  print()
+  print(f'\n{config.model.source} model, {len(completions)} prompts{cli.variant_note(config)}')
   for c in completions:
     prompt = tokenizer.decode(c.prompt_ids)
     print(f'[{c.request_id}] {prompt!r} -> {c.text!r}  ({c.finish_reason})')
@@ -173,13 +179,15 @@ def main(argv):
       'preemptions': engine.stats['preemptions'],
       'outputs': [{'prompt': tokenizer.decode(c.prompt_ids), 'completion': c.text,
                    'finish_reason': c.finish_reason} for c in completions],
-      'config': config.to_dict(),
-      **run_info.environment(),
+      **run_info.summary_fields(config),
   }
   if writer:  # every process computed the same figures
     path = os.path.join(workdir, 'summary.json')
     run_info.write_json(path, summary)
-    print(f'\nwrote {path}')
+    figures = {k: v for k, v in summary.items() if k not in ('config', 'outputs')}
+    run_info.write_csv(os.path.join(workdir, 'results.csv'), [figures])
+    run_info.write_csv(os.path.join(workdir, 'completions.csv'), summary['outputs'])
+    print(f'\nwrote {path}, results.csv, completions.csv')
 
 
 if __name__ == '__main__':

@@ -40,12 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
-from pagedjax import factory, run_info, text_data
+from experiments import plots
+from pagedjax import factory, run_info, text_data, workloads
 from pagedjax.config import Config, ConfigError
 from pagedjax.device.streamed_attention import LayerPrograms
 from pagedjax.host.intake import RequestError
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
-from pagedjax.model.llama import Llama
+from pagedjax.model.llama import Llama, init_params
 
 COLUMNS = ('window_blocks', 'chunk_blocks', 'window_tokens', 'context_over_window',
            'host_blocks', 'mb_streamed_per_step', 'useful_mb_streamed_per_step',
@@ -53,6 +54,8 @@ COLUMNS = ('window_blocks', 'chunk_blocks', 'window_tokens', 'context_over_windo
            'decode_ms_per_token', 'decode_ms_per_token_mean', 'streamed_gb_per_s', 'prefill_s',
            'prefill_mb_streamed', 'device_kv_mb', 'tokens_match', 'max_abs_logit_diff',
            'compilations')
+TABLE = ('window_blocks', 'chunk_blocks', 'mb_streamed_per_step', 'decode_ms_per_token_best',
+         'decode_ms_per_token', 'prefill_s', 'tokens_match', 'max_abs_logit_diff')
 MB = 1e6
 
 
@@ -96,11 +99,24 @@ def check(config):
   return typed, settings, context
 
 
-def prompt_ids(tokenizer, length: int, verse: int) -> list:
+def load_model(config) -> tuple:
+  """(model config, params, tokenizer or None, encode). A random model with a byte vocabulary
+  (model.random.vocab_size=256, as in `:tiny`) reads the UTF-8 bytes of the text, as the trace
+  studies do: no tokenizer to build (parsing SmolLM2's takes seconds)."""
+  typed = Config.from_configdict(config)
+  if typed.model.source == 'random' and typed.model.random.vocab_size == 256:
+    model_cfg = typed.model.random_model_config()
+    return model_cfg, init_params(model_cfg, seed=typed.model.random.seed), None, (
+        workloads.byte_encode)
+  model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
+  return model_cfg, params, tokenizer, tokenizer.encode
+
+
+def prompt_ids(encode, length: int, verse: int) -> list:
   """`length` tokens of KJV text from `verse` on."""
   chars = 8 * length
   while True:
-    ids = tokenizer.encode(text_data.passage(verse, chars))
+    ids = encode(text_data.passage(verse, chars))
     if len(ids) >= length:
       return ids[:length]
     chars *= 2
@@ -232,10 +248,8 @@ def write_rows(rows: list, workdir: str) -> None:
 
 
 def plot(rows: list, baselines: dict, title: str, workdir: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(7.5, 5))
+  plt = plots.pyplot()
+  fig, ax = plt.subplots(figsize=(7.5, 5), layout='constrained')
   mb = [r['mb_streamed_per_step'] for r in rows]
   ax.scatter(mb, [r['decode_tokens_per_s_best'] for r in rows], label='fastest step')
   ax.scatter(mb, [r['decode_tokens_per_s'] for r in rows], facecolors='none',
@@ -249,14 +263,13 @@ def plot(rows: list, baselines: dict, title: str, workdir: str) -> None:
     ax.axhline(value, linestyle=style, color='gray')
     ax.annotate(f'{name} (fastest step)', (0, value), fontsize=8, textcoords='offset points',
                 xytext=(2, 3))
-  ax.legend(loc='upper right', fontsize=8)
+  plots.legend_below(ax, ncol=2)
   ax.set_xlabel('MB of K/V streamed host -> device per decode step (padding included)')
   ax.set_ylabel('decode tokens/s (greedy, batch 1)')
   ax.set_ylim(bottom=0)
+  ax.set_xlim(left=0)
   ax.set_title(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, 'long_context.png'), dpi=100)
-  plt.close(fig)
+  plots.save(fig, os.path.join(workdir, 'long_context.png'), dpi=100)
 
 
 def sweep(model_cfg, params, points, ids, sampling, eos_id, engine, repeats: int):
@@ -270,15 +283,18 @@ def sweep(model_cfg, params, points, ids, sampling, eos_id, engine, repeats: int
   for decoder in decoders:
     warm_up(decoder, ids, eos_id)
   passes, runs = [], [[] for _ in points]
+  bar = cli.progress(total=repeats * len(points), desc='streamed points', unit='run')
   for round_index in range(repeats):
     passes.append(timed_pass(engine, ids, sampling))
     order = range(len(points)) if round_index % 2 == 0 else reversed(range(len(points)))
     for i in order:
+      bar.update()
       r = decoders[i].generate(ids, sampling.max_new_tokens, eos_id, record_logits=True)
       runs[i].append(r)
-      print(f'round {round_index}: W={points[i].window_blocks:3d} C={points[i].chunk_blocks:3d} '
+      cli.say(f'round {round_index}: W={points[i].window_blocks:3d} C={points[i].chunk_blocks:3d} '
             f'{np.mean(r.step_bytes_streamed) / MB:7.2f} MB/step '
-            f'{1e3 * np.median(r.step_seconds):7.1f} ms/token', flush=True)
+            f'{1e3 * np.median(r.step_seconds):7.1f} ms/token')
+  bar.close()
   passes.append(timed_pass(engine, ids, sampling))
   return passes, [(d, r) for d, r in zip(decoders, runs)]
 
@@ -286,9 +302,9 @@ def sweep(model_cfg, params, points, ids, sampling, eos_id, engine, repeats: int
 def study(config, workdir: str) -> dict:
   typed, points, context = check(config)
   load = {'start': os.getloadavg()}
-  model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
-  sampling, eos_id = typed.sampling, tokenizer.eos_id
-  ids = prompt_ids(tokenizer, context - sampling.max_new_tokens, config.long_context.prompt_verse)
+  model_cfg, params, tokenizer, encode = load_model(config)
+  sampling, eos_id = typed.sampling, tokenizer.eos_id if tokenizer is not None else None
+  ids = prompt_ids(encode, context - sampling.max_new_tokens, config.long_context.prompt_verse)
   refusal = refused(config, model_cfg, params, tokenizer, ids, sampling)
   print(f'refused with the {typed.pool.num_blocks - 1}-block pool: {refusal}', flush=True)
   engine = all_device_engine(config, model_cfg, params, tokenizer, context)
@@ -306,11 +322,7 @@ def study(config, workdir: str) -> dict:
   slow = recompute(model_cfg, params, ids, config.long_context.recompute_tokens, context)
   slow['tokens_match'] = slow['tokens'] == reference['tokens'][:len(slow['tokens'])]
   print(f"recompute: {slow['decode_ms_per_token_best']:.1f} ms/token fastest", flush=True)
-  for r in rows:
-    print(f"W={r['window_blocks']:3d} C={r['chunk_blocks']:3d} "
-          f"{r['mb_streamed_per_step']:7.2f} MB/step {r['decode_ms_per_token_best']:7.1f} ms "
-          f"fastest {r['decode_ms_per_token']:7.1f} ms median match={r['tokens_match']} "
-          f"max|dlogit|={r['max_abs_logit_diff']:.2e}", flush=True)
+  print(run_info.markdown_table(rows, TABLE))
   pool_tokens = (typed.pool.num_blocks - 1) * typed.pool.block_size
   at_pool = [r for r in rows if r['window_tokens'] == pool_tokens]
   reference.pop('logits')
@@ -323,14 +335,20 @@ def study(config, workdir: str) -> dict:
           r['tokens_match'] for r in at_pool),
                'tokens_identical_everywhere': all(r['tokens_match'] for r in rows)},
       'load_average': {**load, 'end': os.getloadavg()},
-      'config': config.to_dict(), **run_info.environment()}
+      **run_info.summary_fields(config)}
   write_rows(rows, workdir)
   plot(rows, {'all_device': reference, 'recompute': slow},
-       f'{config.model.source}: {context}-token context, {pool_tokens}-token pool '
-       f'({jax.default_backend()})', workdir)
+       f'{MODEL_NAMES.get(config.model.source, config.model.source)}: {context}-token '
+       f'context, {pool_tokens}-token device pool ({jax.default_backend()})'
+       + cli.variant_note(config), workdir)
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
-  print(json.dumps(summary['goal']))
+  print(f"tokens identical to all_device at a window of the pool: "
+        f"{summary['goal']['tokens_identical_at_pool_window']}; at every point: "
+        f"{summary['goal']['tokens_identical_everywhere']}")
   return summary
+
+
+MODEL_NAMES = {'smollm2': 'SmolLM2-135M', 'random': 'tiny random Llama'}
 
 
 def check_run(config) -> None:

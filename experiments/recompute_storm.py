@@ -34,13 +34,13 @@ run, and read p99 of a few dozen requests as what it is (about the worst one or 
 """
 import copy
 import csv
-import json
 import os
 
 import numpy as np
 
 from experiments import cli
 from experiments import jobs
+from experiments import plots
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
 from pagedjax.config import ConfigError
@@ -196,13 +196,13 @@ def write_row_files(workdir: str, row: str, engine, ids, requests, switch_time_s
 
 
 def median_row(runs: list) -> dict:
-  """Each numeric figure's median over repeated runs; the others (alert records) from the
+  """Each numeric figure's median over repeated runs; the others (alert records, lists) from the
   last run."""
   out = dict(runs[-1])
   for key in runs[0]:
     values = [run[key] for run in runs]
-    if len(set(values)) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                    for v in values):
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if numeric and len(set(values)) > 1:  # equal counts stay integers
       out[key] = float(np.median(values))
   return out
 
@@ -232,13 +232,13 @@ def write_tables(rows: list, workdir: str) -> None:
 
 def plot(rows: list, config, workdir: str) -> None:
   """Per row: windowed hit rate over the run (top) and around the switch (middle), TTFT by
-  arrival (bottom), over the engine clock."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  arrival (bottom), over the engine clock; one legend for all panels, under them."""
+  plt = plots.pyplot()
   s = config.storm
-  fig, axes = plt.subplots(3, len(rows), figsize=(4.5 * len(rows), 9), squeeze=False)
+  fig, axes = plt.subplots(3, len(rows), figsize=(4.2 * len(rows), 9), squeeze=False,
+                           layout='constrained')
   zoom = (s.switch_time_s - s.prewarm_lead_s - 0.5, s.switch_time_s + s.after_switch_s)
+  handles = {}
   for col, row in enumerate(rows):
     name = row['row']
     with open(os.path.join(workdir, 'timelines', f'{name}.csv')) as f:
@@ -249,33 +249,43 @@ def plot(rows: list, config, workdir: str) -> None:
     defined = [x for x in tl if x['prefix_hit_rate_windowed']]
     top, middle, bottom = axes[0][col], axes[1][col], axes[2][col]
     for ax in (top, middle):
-      ax.plot([float(x['t']) for x in defined],
-              [float(x['prefix_hit_rate_windowed']) for x in defined], lw=1)
-      ax.set(ylim=(-0.02, 1.02))
-      for k, alert in enumerate(row['alerts']):
+      (line,) = ax.plot([float(x['t']) for x in defined],
+                        [float(x['prefix_hit_rate_windowed']) for x in defined], lw=1,
+                        label='windowed prefix hit rate')
+      handles.setdefault(line.get_label(), line)
+      ax.set(ylim=(-0.02, 1.02), ylabel='hit rate (share of tokens)')
+      for alert in row['alerts']:
         end = alert['cleared_t'] if alert['cleared_t'] is not None else float(tl[-1]['t'])
         # An alert lasts a fraction of a second here: a line marks it, a band its length.
-        ax.axvspan(alert['fired_t'], end, color='tab:red', alpha=0.3)
-        ax.axvline(alert['fired_t'], color='tab:red', lw=1, label=None if k else 'alert fired')
-    top.set(title=f'{name}: windowed prefix hit rate')
-    middle.set(title=f'{name}: the same around the switch', xlim=zoom)
+        band = ax.axvspan(alert['fired_t'], end, color='tab:red', alpha=0.25,
+                          label='alert active')
+        mark = ax.axvline(alert['fired_t'], color='tab:red', lw=1, label='alert fired')
+        handles.setdefault('alert active', band)
+        handles.setdefault('alert fired', mark)
+    top.set_title(f'{name}: windowed prefix hit rate', fontsize=9)
+    middle.set_title(f'{name}: the same around the switch', fontsize=9)
+    middle.set_xlim(zoom)
     for v in ('v1', 'v2'):
       mine = [x for x in reqs if x['system_prompt'] == v]
-      bottom.scatter([float(x['arrival_time']) for x in mine], [float(x['ttft_s']) for x in mine],
-                     s=6, label=f'system prompt {v}')
-    bottom.set(title=f'{name}: TTFT (s) by arrival', xlabel='engine clock (s)')
+      dots = bottom.scatter([float(x['arrival_time']) for x in mine],
+                            [1e3 * float(x['ttft_s']) for x in mine], s=6,
+                            label=f'request with system prompt {v}')
+      handles.setdefault(dots.get_label(), dots)
+    bottom.set_title(f'{name}: TTFT by arrival', fontsize=9)
+    bottom.set(ylabel='TTFT (ms)', ylim=(0, None))
     for ax in (top, middle, bottom):
-      ax.axvline(s.switch_time_s, color='k', ls='--', lw=1, label='switch')
+      ax.set_xlabel('engine clock (s)')
+      handles.setdefault('switch', ax.axvline(s.switch_time_s, color='k', ls='--', lw=1,
+                                              label='switch'))
       if 'prewarm' in name:
-        ax.axvline(s.switch_time_s - s.prewarm_lead_s, color='tab:green', ls=':', lw=1,
-                   label='pre-warm')
-    middle.legend(fontsize=7, loc='lower left')
-    bottom.legend(fontsize=7, loc='upper left')
-  fig.suptitle('Recomputation storm (CPU, tiny random Llama; measured engine clock)')
-  fig.tight_layout()
-  with run_info.atomic_write(os.path.join(workdir, 'storm.png'), 'wb') as f:
-    fig.savefig(f, format='png', dpi=100)
-  plt.close(fig)
+        handles.setdefault('pre-warm', ax.axvline(
+            s.switch_time_s - s.prewarm_lead_s, color='tab:green', ls=':', lw=1,
+            label='pre-warm'))
+  fig.legend(list(handles.values()), list(handles), loc='outside lower center',
+             ncol=len(handles), fontsize=8, frameon=False)
+  fig.suptitle('Recomputation storm (CPU, tiny random Llama; measured engine clock)'
+               + cli.variant_note(config), fontsize=10)
+  plots.save(fig, os.path.join(workdir, 'storm.png'), dpi=100)
 
 
 def study(config, workdir: str) -> dict:
@@ -284,9 +294,11 @@ def study(config, workdir: str) -> dict:
   prefix = new_prefix(requests, s.switch_time_s)
   configs = {row: row_config(config, row) for row in s.rows}  # all refused before any run
   rows, outputs = [], {}
+  bar = cli.progress(total=len(s.rows) * s.repeats, desc='storm', unit='run')
   for row in s.rows:
     runs = []
     for _ in range(s.repeats):
+      bar.update()
       engine, ids = replay(configs[row], row, requests, prefix)
       runs.append(figures(configs[row], engine, ids, requests))
       run_outputs = [engine.finished[i].output_ids for i in ids]
@@ -296,19 +308,24 @@ def study(config, workdir: str) -> dict:
     write_row_files(workdir, row, engine, ids, requests, s.switch_time_s)
     rows.append(dict(row=row, **median_row(runs)))
     r = rows[-1]
-    print(f"  {row:17s} ttft_p99 steady={r['ttft_p99_steady_s']:.4f}s "
-          f"across={r['ttft_p99_across_s']:.4f}s alerts={r['alerts_fired']} "
-          f"computed={r['prompt_tokens_computed']}", flush=True)
+    cli.say(f"  {row:17s} ttft_p99 steady={r['ttft_p99_steady_s']:.4f}s "
+            f"across={r['ttft_p99_across_s']:.4f}s alerts={r['alerts_fired']} "
+            f"computed={r['prompt_tokens_computed']}")
+  bar.close()
   reference = outputs[s.rows[0]]
   identical = reference is not None and all(o == reference for o in outputs.values())
   differing = [row for row, o in outputs.items() if o != reference]
   write_tables(rows, workdir)
   summary = {'rows': rows, 'goal': goal(config, rows), 'outputs_token_identical': identical,
              'rows_with_other_outputs': differing, 'trace': workloads.summarize(requests),
-             'config': config.to_dict(), **run_info.environment()}
+             **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   plot(rows, config, workdir)
-  print(json.dumps({'goal': summary['goal'], 'outputs_token_identical': identical}, indent=1))
+  g = summary['goal']
+  verdict = 'not run' if g['met'] is None else 'MET' if g['met'] else 'NOT MET'
+  value = 'n/a' if g['value'] is None else f"{g['value']:.3g}"
+  print(f"goal {g['goal']}: {value}, {verdict}; outputs token-identical across rows: "
+        f"{identical}")
   return summary
 
 

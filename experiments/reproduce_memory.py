@@ -5,9 +5,9 @@
 
 Replays one ShareGPT-like trace through the contiguous and the paged pool at the same KV memory
 budget (configs/reproduce_memory.py: everything else equal), through the sweep runner, so a
-rerun skips a finished design. Writes WORKDIR/summary.json with the figures below and
-WORKDIR/memory.png: KV utilization and concurrent sequences over time, the waste breakdown, and
-throughput. Published references: prior systems kept 20.4-38.2% of their KV memory for token
+rerun skips a finished design (its results.jsonl and results.csv: one row per design). Writes
+WORKDIR/summary.json with the figures below, table.md (printed too) and WORKDIR/memory.png: KV
+utilization and concurrent sequences over time, the waste breakdown, and throughput. Published references: prior systems kept 20.4-38.2% of their KV memory for token
 states, vLLM ~96%, for 2-4x the throughput. summary.json is written before the figure, so a
 failed plot costs only the plot; a point whose timeline.json is missing or damaged is left out
 of the timeline panels with a warning.
@@ -15,10 +15,10 @@ of the timeline panels with a warning.
 import json
 import os
 
-from absl import flags
 from absl import logging
 
 from experiments import cli
+from experiments import plots
 from experiments import sweep
 from pagedjax import run_info
 from pagedjax.config import ConfigError
@@ -55,11 +55,9 @@ def summarize(rows) -> dict:
   return out
 
 
-def plot(path: str, rows, workdir: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
+def plot(path: str, rows, workdir: str, title: str = 'vLLM memory study on CPU') -> None:
+  plt = plots.pyplot()
+  fig, axes = plt.subplots(1, 4, figsize=(19, 4.2), layout='constrained')
   for row in rows:
     kind = row['pool.kind']
     name = sweep.point_name({k: row[k] for k in json.loads(row['point'])})
@@ -74,23 +72,25 @@ def plot(path: str, rows, workdir: str) -> None:
       continue
     axes[0].plot(t, utilization, label=kind)
     axes[1].plot(t, running, label=kind)
-  axes[0].set(title='KV utilization (token states / reserved)', xlabel='engine clock (s)',
-              ylim=(0, 1.05))
-  axes[1].set(title='concurrent sequences', xlabel='engine clock (s)')
+  axes[0].set(title='KV utilization (token states / slots reserved)', xlabel='engine clock (s)',
+              ylabel='share', ylim=(0, 1.05))
+  axes[1].set(title='concurrent sequences', xlabel='engine clock (s)', ylabel='sequences',
+              ylim=(0, None))
   bottom = [0.0] * len(rows)
   for key in metrics.WASTE:
     values = [r[f'kv_{key}'] for r in rows]
-    axes[2].bar([r['pool.kind'] for r in rows], values, bottom=bottom, label=key)
+    axes[2].bar([r['pool.kind'] for r in rows], values, bottom=bottom,
+                label=key.replace('_', ' '))
     bottom = [b + v for b, v in zip(bottom, values)]
-  axes[2].set(title='KV pool slots (share, iteration average)', ylim=(0, 1.45))
+  axes[2].set(title='KV pool slots by use (iteration average)', ylabel='share of pool',
+              ylim=(0, 1.02))
   axes[3].bar([r['pool.kind'] for r in rows], [r['generated_tokens_per_s'] for r in rows])
-  axes[3].set(title='generated tokens / s')
-  for ax in axes[:3]:
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  with run_info.atomic_write(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=120)
-  plt.close(fig)
+  axes[3].set(title='throughput', ylabel='generated tokens/s')
+  for ax in axes[:2]:
+    plots.legend_below(ax, ncol=2)
+  plots.legend_outside(axes[2])  # beside the stacked bars, never over them
+  fig.suptitle(title, fontsize=10)
+  plots.save(fig, path)
 
 
 def check_kinds(config) -> None:
@@ -102,28 +102,38 @@ def check_kinds(config) -> None:
                       f'point with pool.kind={missing[0]!r} is missing (one per {KINDS})')
 
 
-def main(argv):
-  del argv
-  config = flags.FLAGS.config
+def check(config) -> None:
+  """Both designs among the points, no command-line override of a swept field."""
   check_kinds(config)
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'study'):  # the sweep's rows, then this study's files
-    rows = sweep.run_sweep(config, workdir)
-    figures = summarize(rows)
-    summary = {**figures, 'published': PUBLISHED, 'trace': config.trace.to_dict(), 'rows': rows,
-               'config': config.to_dict(), **run_info.environment()}
-    # The sweep runner's summary.json lists the rows; this one, the study's figures.
-    run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
-    plot(os.path.join(workdir, 'memory.png'), rows, workdir)
-  for key in ('contiguous_kv_utilization', 'paged_kv_utilization', 'contiguous_peak_sequences',
-              'paged_peak_sequences', 'contiguous_generated_tokens_per_s',
-              'paged_generated_tokens_per_s', 'throughput_ratio'):
-    value = figures[key]
-    print(f'  {key:<36} {value:.3f}' if isinstance(value, float) else f'  {key:<36} {value}')
-  print(f'wrote {workdir}/summary.json, memory.png')
+  cli.refuse_swept_overrides(config)
+
+
+def study(config, workdir: str) -> dict:
+  """The sweep's rows (resumed), then this study's figures, table, summary and plot."""
+  rows = sweep.run_sweep(config, workdir)
+  figures = summarize(rows)
+  summary = {**figures, 'published': PUBLISHED, 'trace': config.trace.to_dict(), 'rows': rows,
+             **run_info.summary_fields(config)}
+  # The sweep runner's summary.json lists the rows; this one, the study's figures.
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  table = run_info.markdown_table(rows, TABLE, digits=4)
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(table + '\n')
+  print(table)
+  print(f"paged / contiguous throughput: {figures['throughput_ratio']:.2f}x (published "
+        f"{PUBLISHED['throughput_ratio'][0]:g}-{PUBLISHED['throughput_ratio'][1]:g}x); KV "
+        f"utilization {figures['paged_kv_utilization']:.1%} paged, "
+        f"{figures['contiguous_kv_utilization']:.1%} contiguous (published ~96%, 20.4-38.2%)")
+  plot(os.path.join(workdir, 'memory.png'), rows, workdir,
+       'vLLM memory study on CPU: contiguous vs paged at one KV budget (tiny random Llama; '
+       'engine clock)' + cli.variant_note(config))
+  return summary
+
+
+TABLE = ('pool.kind', 'kv_utilization', 'peak_concurrent_sequences', 'mean_concurrent_sequences',
+         'generated_tokens_per_s', 'requests_per_s', 'preemptions', 'num_compilations')
 
 
 if __name__ == '__main__':
-  cli.define_flags('configs/reproduce_memory.py',
-                   'Config with one contiguous and one paged point.', lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/reproduce_memory.py', 'Config with one contiguous and one paged point.',
+                study, check=check)

@@ -39,6 +39,7 @@ import numpy as np
 
 from experiments import cli
 from experiments import jobs
+from experiments import plots
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
 from pagedjax.host.prefix_cache import PinError, chain_keys
@@ -225,58 +226,68 @@ def write_tables(rows: list, workdir: str) -> None:
   print(table)
 
 
-def plot(rows: list, workdir: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+def plot(rows: list, workdir: str, title: str = 'KV policy table') -> None:
+  plt = plots.pyplot()
   traces = sorted({r['trace'] for r in rows})
-  fig, axes = plt.subplots(2, len(traces), figsize=(4.5 * len(traces), 7), squeeze=False)
+  fig, axes = plt.subplots(2, len(traces), figsize=(4.5 * len(traces), 7.5), squeeze=False,
+                           layout='constrained')
   for col, trace in enumerate(traces):
     mine = [r for r in rows if r['trace'] == trace]
     names = [r['policy'] for r in mine]
-    axes[0][col].bar(names, [r['ttft_p50_s'] or 0 for r in mine])
-    axes[0][col].set_title(f'{trace}: TTFT p50 (s, engine clock)')
+    axes[0][col].bar(names, [1e3 * (r['ttft_p50_s'] or 0) for r in mine])
+    axes[0][col].set(title=f'{trace}: TTFT p50 (engine clock)', ylabel='ms')
     bottom = [0.0] * len(mine)
     for t in (1, 2, 3):
       part = [r.get(f'tier{t}_hit_rate') or 0 for r in mine]
-      axes[1][col].bar(names, part, bottom=bottom, label=f'tier {t}')
+      axes[1][col].bar(names, part, bottom=bottom, label=f'tier {t}: ' + TIER_NAMES[t],
+                       color=f'C{t - 1}')
       bottom = [b + p for b, p in zip(bottom, part)]
-    axes[1][col].set_title(f'{trace}: hit rate by tier (blocks)')
-    axes[1][col].legend()
+    axes[1][col].set(title=f'{trace}: hit rate by tier', ylabel='share of blocks queried',
+                     ylim=(0, 1.0))
     for ax in axes[:, col]:
-      ax.tick_params(axis='x', rotation=45)
-  fig.suptitle('KV policy table (CPU, small random Llama; measured engine clock)')
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, 'policies.png'), dpi=100)
-  plt.close(fig)
+      plt.setp(ax.get_xticklabels(), rotation=45, ha='right', rotation_mode='anchor')
+  handles, labels = axes[1][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc='outside lower center', ncol=3, fontsize=8, frameon=False)
+  fig.suptitle(title, fontsize=10)
+  plots.save(fig, os.path.join(workdir, 'policies.png'), dpi=100)
+
+
+TIER_NAMES = {1: 'device pool', 2: 'host RAM', 3: 'disk'}
 
 
 def study(config, workdir: str) -> dict:
   traces = make_traces(config)
   all_sizes = {trace: sizes(config, requests) for trace, requests in traces.items()}
   rows, path = [], os.path.join(workdir, 'results.jsonl')
+  p = config.policies
+  bar = cli.progress(total=len(traces) * len(p.rows) * p.repeats, desc='policies', unit='run')
   with open(path + '.partial', 'w') as results:
     for trace, requests in traces.items():
       hot, size = hot_prefixes(requests), all_sizes[trace]
       for policy in config.policies.rows:
         kv_dir = os.path.join(workdir, 'kv', f'{trace}-{policy}')
         timeline = os.path.join(workdir, 'timelines', f'{trace}-{policy}.csv')
-        runs = [replay(row_config(config, policy, size, kv_dir), requests, hot, timeline)
-                for _ in range(config.policies.repeats)]
+        runs = []
+        for _ in range(p.repeats):
+          bar.update()
+          runs.append(replay(row_config(config, policy, size, kv_dir), requests, hot, timeline))
         row = dict(trace=trace, policy=policy, **median_row(runs))
         rows.append(row)
         results.write(json.dumps(row) + '\n')
         results.flush()
-        print(f"  {trace:10s} {policy:9s} hit={row['hit_rate']:.3f} "
-              f"computed={row['prompt_tokens_computed']} ttft_p50={row['ttft_p50_s']:.4f}s",
-              flush=True)
+        cli.say(f"  {trace:10s} {policy:9s} hit={row['hit_rate']:.3f} "
+                f"computed={row['prompt_tokens_computed']} ttft_p50={row['ttft_p50_s']:.4f}s")
+  bar.close()
   os.replace(path + '.partial', path)
   write_tables(rows, workdir)
-  plot(rows, workdir)
+  plot(rows, workdir, 'KV policy table (CPU, small random Llama; measured engine clock)'
+       + cli.variant_note(config))
   summary = {'rows': rows, 'goals': goals(rows), 'sizes': all_sizes,
-             'config': config.to_dict(), **run_info.environment()}
+             **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
-  print(json.dumps(summary['goals'], indent=1))
+  for name, g in summary['goals'].items():
+    print(f"goal {name} ({'<=' if name.endswith('best_fixed') else '>='} {g['goal']:g}): "
+          f"{g['value']:.3g}, {'MET' if g['met'] else 'NOT MET'}")
   return summary
 
 

@@ -3,9 +3,11 @@
   python -m experiments.reproduce_sharing --workdir=runs/reproduce_sharing
   python -m experiments.reproduce_sharing --config=configs/reproduce_sharing.py:tiny --workdir=DIR
 
-Writes WORKDIR/summary.json and one line per run to WORKDIR/results.jsonl (streamed to
-results.jsonl.partial during the run and renamed at its end, so a failed or killed run leaves the
-previous run's results.jsonl whole; summary.json is replaced atomically):
+Writes to WORKDIR: one line per run to results.jsonl (streamed to results.jsonl.partial during
+the run and renamed at its end, so a failed or killed run leaves the previous run's
+results.jsonl whole), the same as results.csv and table.md (printed too), sharing.png (prompt
+tokens computed and TTFT with caching off and on; KV memory saved by sharing per n and beam
+width, the paper's ranges beside it) and summary.json (replaced atomically):
   shared_prompt      the shared-system-prompt trace (pagedjax.workloads.shared_system_prompt)
                      replayed with prefix caching off and on: `prefix_hit_rate` (prompt tokens
                      found cached / prompt tokens at admission), `prefill_tokens_saved_fraction`
@@ -27,10 +29,9 @@ import copy
 import json
 import os
 
-from absl import flags
-
 from experiments import cli
 from experiments import jobs
+from experiments import plots
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
 from pagedjax.engine import RequestError
@@ -152,48 +153,108 @@ def beam_search(config, log) -> dict:
   return out
 
 
-def main(argv):
-  del argv
-  config = config_lib.validate_config(flags.FLAGS.config)
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'study'):
-    study(config, workdir)
+RUN_COLUMNS = ('study', 'dataset', 'n', 'beam_width') + KEEP + ('rejected_requests',)
+TABLE = ('study', 'dataset', 'n', 'beam_width', 'prefix_caching', 'prompt_tokens_computed',
+         'prefix_hit_rate_tokens', 'ttft_p50_s', 'kv_sharing_saved_fraction', 'cow_copies')
 
 
-def study(config, workdir: str) -> None:
-  """Every study, its runs' lines to results.jsonl, then summary.json."""
+def runs_total(config) -> int:
+  """How many engine runs the study makes (for its progress bar)."""
+  total = 4 + len(config.parallel_sampling.datasets) * len(config.parallel_sampling.sample_n)
+  if 'beam_search' in config:
+    total += len(config.beam_search.datasets) * len(config.beam_search.beam_widths)
+  return total
+
+
+def study(config, workdir: str) -> dict:
+  """Every study, its runs' lines to results.jsonl, then the table, CSV, plot and summary."""
   path = os.path.join(workdir, 'results.jsonl')
+  runs = []
+  bar = cli.progress(total=runs_total(config), desc='sharing', unit='run')
   with open(path + '.partial', 'w') as results:
 
     def log(row):
+      row = {'dataset': None, 'n': 1, 'beam_width': 0, **row}
+      runs.append(row)
       results.write(json.dumps(row) + '\n')
       results.flush()
       os.fsync(results.fileno())
-      print(f"  {row['study']} {row.get('dataset', '')} n={row.get('n', 1)} "
-            f"cache={row['prefix_caching']} ttft_p50={row['ttft_p50_s']:.3f}s "
-            f"computed={row['prompt_tokens_computed']} "
-            f"shared={row['kv_sharing_saved_fraction']:.3f}", flush=True)
+      bar.update()
 
     figures = {'shared_prompt': shared_prompt(config, log),
                'multi_turn': multi_turn(config, log),
                'parallel_sampling': parallel_sampling(config, log)}
     if 'beam_search' in config and config.beam_search.beam_widths:
       figures['beam_search'] = beam_search(config, log)
+  bar.close()
   os.replace(path + '.partial', path)  # this run's lines whole, or the previous run's
   sp = figures['shared_prompt']
   figures['goals'] = {k: {'goal': v, 'value': sp[k], 'met': sp[k] >= v} for k, v in GOALS.items()}
   summary = {**figures, 'prefix_hit_rate': sp['prefix_hit_rate'],
              'prefill_tokens_saved_fraction': sp['prefill_tokens_saved_fraction'],
-             'ttft_speedup': sp['ttft_speedup'], 'published': PUBLISHED,
-             'config': config.to_dict(), **run_info.environment()}
+             'ttft_speedup': sp['ttft_speedup'], 'published': PUBLISHED, 'runs': runs,
+             **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
-  print(json.dumps({k: summary[k] for k in ('prefix_hit_rate', 'prefill_tokens_saved_fraction',
-                                           'ttft_speedup', 'parallel_sampling', 'goals',
-                                           'beam_search') if k in summary},
-                   indent=1, default=str))
-  print(f'wrote {workdir}/summary.json')
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), runs, RUN_COLUMNS)
+  table = run_info.markdown_table(runs, TABLE)
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(table + '\n')
+  print(table)
+  for name, g in figures['goals'].items():
+    print(f"goal shared_prompt {name} >= {g['goal']:g}: {g['value']:.3g}, "
+          f"{'MET' if g['met'] else 'NOT MET'}")
+  plot(figures, config, os.path.join(workdir, 'sharing.png'))
+  return summary
+
+
+def plot(figures: dict, config, path: str) -> None:
+  """Caching off and on (prompt tokens computed, TTFT p50) for the prefix studies; KV memory
+  saved by sharing per n (and beam width), with the paper's published range beside each."""
+  plt = plots.pyplot()
+  fork_studies = [k for k in ('parallel_sampling', 'beam_search') if k in figures]
+  fig, axes = plt.subplots(1, 2 + len(fork_studies), figsize=(4.4 * (2 + len(fork_studies)), 4),
+                           squeeze=False, layout='constrained')
+  axes = axes[0]
+  prefix = ('shared_prompt', 'multi_turn')
+  for ax, (key, what, factor) in zip(axes, (('prompt_tokens_computed', 'tokens', 1),
+                                            ('ttft_p50_s', 'ms', 1e3))):
+    for i, cached in enumerate(('uncached', 'cached')):
+      values = [factor * (figures[p]['runs'][cached][key] or 0) for p in prefix]
+      ax.bar([j + 0.4 * i for j in range(len(prefix))], values, width=0.4,
+             label=f'prefix caching {"on" if cached == "cached" else "off"}')
+    ax.set_xticks([j + 0.2 for j in range(len(prefix))], [p.replace('_', ' ') for p in prefix])
+    ax.set_title('prompt tokens computed' if key == 'prompt_tokens_computed' else 'TTFT p50',
+                 fontsize=9)
+    ax.set_ylabel(what)
+    plots.legend_below(ax, ncol=2)
+  for ax, name in zip(axes[2:], fork_studies):
+    published = PUBLISHED['parallel_sampling_saved' if name == 'parallel_sampling' else
+                          'beam_search_saved']
+    tag = 'n' if name == 'parallel_sampling' else 'beam'
+    datasets = [d for d in figures[name] if isinstance(figures[name][d], dict)]
+    keys = sorted({k for d in datasets for k in figures[name][d] if k.startswith(tag)},
+                  key=lambda k: int(k[len(tag):]))
+    width = 0.8 / max(1, len(datasets))
+    for i, dataset in enumerate(datasets):
+      xs = [j + width * i for j in range(len(keys))]
+      ax.bar(xs, [figures[name][dataset].get(k) or 0 for k in keys], width=width,
+             label=f'{dataset} (measured)', color=f'C{i}')
+      low, high = published.get(dataset, (None, None))
+      if low is not None:
+        ax.axhspan(low, high, color=f'C{i}', alpha=0.15, label=f'{dataset}: paper\'s range')
+    ax.set_xticks([j + width * (len(datasets) - 1) / 2 for j in range(len(keys))],
+                  [f'{"n" if tag == "n" else "width"} = {k[len(tag):]}' for k in keys])
+    tops = [figures[name][d].get(k) or 0 for d in datasets for k in keys]
+    tops += [published[d][1] for d in datasets if d in published]
+    ax.set_ylim(0, min(1.0, 1.25 * max(tops + [0.05])))
+    ax.set_title(('parallel sampling' if tag == 'n' else 'beam search') +
+                 ': KV slots saved by sharing', fontsize=9)
+    ax.set_ylabel('share of logical KV slots')
+    plots.legend_below(ax, ncol=2)
+  fig.suptitle('Block sharing (CPU, tiny random Llama; engine clock)' + cli.variant_note(config),
+               fontsize=10)
+  plots.save(fig, path)
 
 
 if __name__ == '__main__':
-  cli.define_flags('configs/reproduce_sharing.py', 'Sharing study config.', lock_config=False)
-  cli.run(main)
+  cli.run_study('configs/reproduce_sharing.py', 'Sharing study config.', study)

@@ -31,28 +31,24 @@ import time
 
 from absl import flags
 import numpy as np
-import tqdm
 
 from experiments import cli
+from experiments import plots
 from experiments import sweep
 from pagedjax import run_info, sizing, workloads
 from pagedjax.config import Config, ConfigError, PoolConfig, validate_config
 from pagedjax.host.intake import RequestError
-from pagedjax.sim import calibrate, hardware, simulated_device
+from pagedjax.sim import calibrate, hardware, sim_config, simulated_device
 
 SCALAR = (int, float, str, bool, type(None))
 
 
 # ---- one simulated point --------------------------------------------------------------------
 
-def model_shape(sim) -> sizing.ModelShape:
-  """The sizing preset, with num_kv_heads replaced when sim.num_kv_heads > 0 (GQA ablations:
-  the k/v projections shrink or grow with it, so the parameter count follows)."""
-  shape = sizing.get_preset(sim.model)
-  if sim.get('num_kv_heads'):
-    shape = dataclasses.replace(shape, name=f'{shape.name} ({sim.num_kv_heads} KV heads)',
-                                num_kv_heads=sim.num_kv_heads)
-  return shape
+def model_shape(config) -> sizing.ModelShape:
+  """The simulated model (pagedjax/sim/sim_config.py: a sizing preset or the config's own
+  random model, num_kv_heads replaced by sim.num_kv_heads > 0)."""
+  return sim_config.model_shape(config)
 
 
 def trace_of(config, encode=workloads.byte_encode):
@@ -67,7 +63,7 @@ def size_pool(config) -> dict:
   """The point's pool from its device's memory (simulated_device.plan_pool), written into
   config.pool.num_blocks unless config.sim.num_blocks fixes it; returns the plan."""
   sim, eng = config.sim, config.engine
-  shape, hw = model_shape(sim), hardware.get_hardware(sim.hardware)
+  shape, hw = model_shape(config), sim_config.hardware_of(config)
   spec = PoolConfig(**config.pool.to_dict()).kv_quant(
       simulated_device.activation_dtype_name(sim.activation_dtype))
   plan = simulated_device.plan_pool(
@@ -91,8 +87,8 @@ def simulate_point(config, plan: dict) -> dict:
   summary, in simulated seconds, and how the pool was sized."""
   typed = Config.from_configdict(config)
   sim = config.sim
-  shape = model_shape(sim)
-  hw = hardware.get_hardware(sim.hardware)
+  shape = model_shape(config)
+  hw = sim_config.hardware_of(config)
   engine = simulated_device.simulated_engine(shape, hw, typed, weight_dtype=sim.weight_dtype,
                                              activation_dtype=sim.activation_dtype,
                                              count_padding=sim.get('count_padding', True))
@@ -130,6 +126,7 @@ def run_points(config, workdir: str):
   configs, plans = [], []
   for p in points:  # every point sized and checked before any runs
     cfg = sweep.apply_point(config, p)
+    sim_config.check(cfg)
     plans.append(size_pool(cfg))
     configs.append(validate_config(cfg))
   results = os.path.join(workdir, 'results.jsonl')
@@ -142,7 +139,7 @@ def run_points(config, workdir: str):
   if len(todo) < len(points):
     print(f'{len(points) - len(todo)} of {len(points)} points already in {results}: skipped')
   plan_of = {sweep.point_key(p): plan for p, plan in zip(points, plans)}
-  for point, cfg in tqdm.tqdm(todo, desc='simulate', unit='point'):
+  for point, cfg in cli.progress(todo, desc='simulate', unit='point'):
     row = {'point': sweep.point_key(point), 'config_hash': digest, **point,
            **simulate_point(cfg, plan_of[sweep.point_key(point)])}
     sweep.append_row(results, row)
@@ -200,50 +197,59 @@ def vllm_figures(rows, thresholds) -> dict:
 
 def plot(path: str, rows, spec, title: str, thresholds=()) -> None:
   """One panel per figure in spec.y: lines over spec.x per spec.group, or bars per point."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = plots.pyplot()
   ys = list(spec.y)
-  fig, axes = plt.subplots(1, len(ys), figsize=(4.8 * len(ys), 4.4), squeeze=False)
+  fig, axes = plt.subplots(1, len(ys), figsize=(4.4 * len(ys), 4.0), squeeze=False,
+                           layout='constrained')
+  handles = {}
   for ax, y in zip(axes[0], ys):
     if spec.get('kind', 'line') == 'bar':  # one bar per point, named by spec.label's fields
-      labels = [' '.join(str(r.get(k)) for k in spec.label) if spec.get('label') else
+      labels = ['\n'.join(plots.value_text(k, r.get(k)) for k in spec.label)
+                if spec.get('label') else
                 sweep.point_name(json.loads(r['point'])) or 'base' for r in rows]
       ax.bar(range(len(rows)), [r.get(y) or 0 for r in rows])
-      ax.set_xticks(range(len(rows)), labels, rotation=60, ha='right', fontsize=7)
+      ax.set_xticks(range(len(rows)), labels, fontsize=7)
     else:
       group = spec.get('group')
       for g in sorted({r.get(group) for r in rows}, key=str) if group else [None]:
         pts = sorted((r[spec.x], r[y]) for r in rows
                      if (group is None or r.get(group) == g) and r.get(y) is not None)
         if pts:
-          ax.plot(*zip(*pts), marker='o', label=None if g is None else f'{group}={g}')
-      if group:
-        ax.legend(fontsize=8)
-      ax.set_xlabel(spec.x)
+          (line,) = ax.plot(*zip(*pts), marker='o',
+                            label=None if g is None else plots.value_text(group, g))
+          handles.setdefault(line.get_label(), line)
+      ax.set_xlabel(plots.axis(spec.x))
+      xs = [r[spec.x] for r in rows]
+      if len(set(xs)) <= 12:
+        plots.plain_ticks(ax, xs)
       if y == 'normalized_latency_s':
-        ax.set_yscale('log')
+        plots.log_y(ax, [r.get(y) for r in rows] + list(thresholds))
         for t in thresholds:
           ax.axhline(t, ls='--', lw=0.8, color='gray')
-    ax.set_title(f'{y} (simulated)', fontsize=9)
+    if ax.get_yscale() != 'log':
+      ax.set_ylim(bottom=0)
+    ax.set_title(f'{plots.words(y)} (simulated)', fontsize=9)
+    ax.set_ylabel(plots.unit(y))
     ax.grid(alpha=0.3)
+  if handles and spec.get('group'):
+    fig.legend(list(handles.values()), list(handles), loc='outside lower center',
+               ncol=len(handles), fontsize=8, frameon=False, title=plots.words(spec.group),
+               title_fontsize=8)
   fig.suptitle(f'{title} (simulated)', fontsize=10)
-  fig.tight_layout()
-  with run_info.atomic_write(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=120)
-  plt.close(fig)
+  plots.save(fig, path)
 
 
 def run_study(config, workdir: str) -> dict:
   rows = run_points(config, workdir)
-  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows,
+                     sweep.csv_columns(rows, [dict(p) for p in config.sweep]))
   study = config.get('study', '')
   thresholds = list(config.get('latency_thresholds', ()))
   figures = vllm_figures(rows, thresholds) if study == 'vllm' else {}
-  title = config.get('title', 'simulation')
+  title = config.get('title', 'simulation') + cli.variant_note(config)
   summary = {'simulated': True, 'study': study, 'title': title, 'figures': figures,
-             'rows': rows, 'hardware': hardware.to_dict(hardware.get_hardware(config.sim.hardware)),
-             'config': config.to_dict(), **run_info.environment()}
+             'rows': rows, 'hardware': hardware.to_dict(sim_config.hardware_of(config)),
+             **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   if config.get('plot'):
     plot(os.path.join(workdir, 'plot.png'), rows, config.plot, title, thresholds)
@@ -252,8 +258,22 @@ def run_study(config, workdir: str) -> dict:
     f.write(f'{title} (simulated)\n\n{table}\n')
   print(f'{title} (simulated)\n{table}')
   if figures:
-    print(json.dumps(figures, indent=1, default=str))
+    print(f'\n{vllm_table(figures)}')
   return summary
+
+
+def vllm_table(figures: dict) -> str:
+  """The vLLM study's result: per latency threshold, the highest rate each design sustains."""
+  rows = []
+  for threshold, t in figures['thresholds'].items():
+    rows.append({'latency threshold (s/token)': float(threshold),
+                 'paged rate (req/s)': t['paged']['rate'],
+                 'contiguous rate (req/s)': t['contiguous']['rate'],
+                 'rate ratio': t['rate_ratio'], 'throughput ratio': t['throughput_ratio'],
+                 'note': '; '.join(n for n in (t['paged']['note'], t['contiguous']['note']) if n)})
+  table = run_info.markdown_table(rows, list(rows[0]) if rows else [], digits=3)
+  return (f'{table}\nmean running sequences at the highest rate, paged / contiguous: '
+          f'{figures["batch_ratio_at_highest_rate"]:.2f}')
 
 
 # ---- calibration and validation on this machine ---------------------------------------------
@@ -282,7 +302,7 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
                                                   step_fn=step_fn)
   trace = trace_of(config, encode)
   shape = dataclasses.replace(sizing.from_model_config(model_cfg), name={
-      'smollm2': 'SmolLM2-135M-Instruct'}.get(typed.model.source, f'{typed.model.source} model'))
+      'smollm2': 'SmolLM2-135M-Instruct', 'random': 'tiny random Llama'}.get(typed.model.source, f'{typed.model.source} model'))
   # pagedjax keeps params in float32 whatever the compute dtype (model/llama.py).
   weight_dtype, act_dtype = 'fp32', sizing.canonical_dtype(model_cfg.dtype)
 
@@ -364,8 +384,7 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
       'host': host, 'peaks': peaks, 'grid_points': len(samples), 'rounds': cal.rounds,
       'trace': workloads.summarize(trace), 'validation': validations,
       'simulator_wall_s': sim['wall_s'], 'load_average_before': load_before,
-      'load_average_after': os.getloadavg(), 'config': config.to_dict(),
-      **run_info.environment()}
+      'load_average_after': os.getloadavg(), **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   print_validation(summary)
   return summary
@@ -409,20 +428,32 @@ def print_validation(summary: dict) -> None:
               f"error {e['error']:+.1%}")
 
 
-def main(argv):
-  del argv
-  config = flags.FLAGS.config
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)
-  with cli.lock_workdir(workdir, 'simulation'):
-    if flags.FLAGS.calibrate:
-      calibrate_and_validate(config, workdir)
-    else:
-      run_study(config, workdir)
-  print(f'wrote {workdir}/summary.json (simulated)')
+def study(config, workdir: str, calibrate: bool = False) -> dict:
+  """--calibrate: calibrate_and_validate; else run_study (the config's simulated sweep)."""
+  if calibrate:
+    return calibrate_and_validate(config, workdir)
+  return run_study(config, workdir)
+
+
+def check(config, calibrate: bool = False) -> None:
+  """config.sim (pagedjax/sim/sim_config.py; with --calibrate, all but sim.hardware: the
+  profile it names is what a calibration writes) and no command-line override of a swept field,
+  before the workdir; every point's own sim fields are checked again before any point runs."""
+  sim_config.check(config, check_hardware=not calibrate)
+  cli.refuse_swept_overrides(config)
+  if calibrate:
+    validate_config(config)  # the real engine's config
+  else:  # each point's pool is sized from its device, then the point validated
+    for point in [dict(p) for p in config.sweep] or [{}]:
+      cfg = sweep.apply_point(config, point)
+      sim_config.check(cfg)
+      size_pool(cfg)
+      validate_config(cfg)
 
 
 if __name__ == '__main__':
-  cli.define_flags('configs/simulate_vllm.py', 'Simulation config.', lock_config=False)
-  flags.DEFINE_bool('calibrate', False, 'Profile the real step on this machine, fit the cost '
-                    'model, write WORKDIR/hardware_profile.json and validate it against real runs.')
-  cli.run(main)
+  cli.study_flag(flags.DEFINE_bool, 'calibrate', False,
+                 'Profile the real step on this machine, fit the cost model, write '
+                 'WORKDIR/hardware_profile.json and validate it against real runs.')
+  cli.run_study('configs/simulate_vllm.py', 'Simulation config.', study, check=check,
+                validate=False)

@@ -7,15 +7,21 @@ A sweep config is an experiment config plus
   config.job    the per-point job: a key of experiments.jobs.JOBS or 'package.module:function'
   config.sweep  a list of points, each a dict of dotted overrides of the base config, e.g.
                 {'pool.block_size': 16, 'pool.num_blocks': 1025}
-  config.plot   (optional) x: a swept key; y: figures to plot, one panel each (or a list of
-                such lists: one row of panels each); group: a swept key drawn as separate
-                lines; logx: bool; logy: figures drawn on a log scale
+  config.plot   (optional) x: a swept key or a figure; y: figures to plot, one panel each
+                (or a list of such lists: one row of panels each, row_titles naming the
+                rows); logx: bool; logy: figures drawn on a log scale. Points that differ in
+                swept fields other than x (and fields x fixes) are separate series, each
+                named by every such field (group: the one to name first)
+  config.title, config.table_columns (optional): the plot's title; the printed table's figures
 Each point is the base config with its overrides applied, validated, then run; its row (the
 overrides, then the job's figures) is appended to WORKDIR/results.jsonl the moment it is done,
 so an interrupted sweep resumes where it stopped: a rerun skips every point whose overrides and
 base config (everything but sweep and plot) match a stored row. Afterwards it writes
-results.csv and summary.json (all rows, in sweep order) and, with config.plot, plot.png.
-Each point's job may leave files in WORKDIR/points/<name>/.
+results.csv (one column per swept field, then one per figure; no duplicates), table.md (printed
+too) and summary.json (all rows, in sweep order) and, with config.plot, plot.png.
+Each point's job may leave files in WORKDIR/points/<name>/. A command-line override of a swept
+field (--config.pool.block_size=32 on the block-size sweep) is refused: every point would
+replace it.
 
 A run holds WORKDIR/.lock (flock) from start to exit: a second sweep on the same workdir is
 refused, naming it, instead of interleaving rows. Rows are appended flushed and fsynced; a line a
@@ -28,16 +34,16 @@ import os
 import re
 from typing import Callable, List, Optional, Tuple
 
-from absl import flags
 from absl import logging
-import tqdm
 
 from experiments import cli
 from experiments import jobs
+from experiments import plots
 from pagedjax import run_info
 from pagedjax.config import Config, ConfigError, validate_config
 
 SWEEP_FIELDS = ('sweep', 'plot')
+ROW_KEYS = ('point', 'config_hash')  # resume bookkeeping of results.jsonl, not figures
 
 
 def base_config(config):
@@ -155,69 +161,137 @@ def run_sweep(config, workdir: str, job: Optional[Callable] = None) -> List[dict
     todo = [(p, c) for p, c in zip(points, configs) if point_key(p) not in done]
     if len(todo) < len(points):
       print(f'{len(points) - len(todo)} of {len(points)} points already in {results}: skipped')
-    for point, cfg in tqdm.tqdm(todo, desc='sweep', unit='point'):
+    for point, cfg in cli.progress(todo, desc='sweep', unit='point'):
       figures = job(cfg, os.path.join(workdir, 'points', point_name(point)))
       row = {'point': point_key(point), 'config_hash': digest, **point, **figures}
       append_row(results, row)
       done[row['point']] = row
     rows = [done[point_key(p)] for p in points]
-    run_info.write_csv(os.path.join(workdir, 'results.csv'), rows)
+    run_info.write_csv(os.path.join(workdir, 'results.csv'), rows, csv_columns(rows, points))
     if config.get('plot'):
-      plot(os.path.join(workdir, 'plot.png'), rows, config.plot)
+      plot(os.path.join(workdir, 'plot.png'), rows, config.plot,
+           config.get('title', 'sweep') + cli.variant_note(config), swept_fields(points))
     run_info.write_json(os.path.join(workdir, 'summary.json'), {
         'job': config.get('job'), 'points': len(points), 'config_hash': digest, 'rows': rows,
-        'config': config.to_dict(), **run_info.environment()})
+        **run_info.summary_fields(config)})
   return rows
 
 
-def plot(path: str, rows: List[dict], spec) -> None:
-  """One panel per figure in spec.y against spec.x, a line per value of spec.group; a spec.y of
-  lists draws one row of panels per list."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+def swept_fields(points) -> list:
+  """The dotted fields the points set, in first-seen order."""
+  out = []
+  for p in points:
+    out += [k for k in dict(p) if k not in out]
+  return out
+
+
+def _duplicates(rows: list, field: str, key: str) -> bool:
+  """Whether figure `key` only repeats swept `field` (the engine's `block_size` beside the
+  point's `pool.block_size`, `pool_kind` beside `pool.kind`): same name, same value everywhere."""
+  parts = field.split('.')
+  names = {parts[-1], '_'.join(parts), '_'.join(parts[-2:])}
+  return key in names and key != field and all(r.get(key) == r.get(field) for r in rows)
+
+
+def csv_columns(rows: list, points) -> list:
+  """One column per swept field, then each scalar figure once, in first-seen order; the resume
+  bookkeeping (point, config_hash) and figures that repeat a swept field are left out."""
+  swept = swept_fields(points)
+  columns = list(swept)
+  for row in rows:
+    for key, value in row.items():
+      if key in columns or key in ROW_KEYS or isinstance(value, (list, dict)):
+        continue
+      if not any(_duplicates(rows, field, key) for field in swept):
+        columns.append(key)
+  return columns
+
+
+def table_columns(config, points) -> list:
+  """The printed table: config.table_columns, else the swept fields and the plotted figures."""
+  if config.get('table_columns'):
+    return list(config.table_columns)
+  columns = swept_fields(points)
+  spec = config.get('plot') or {}
+  ys = spec.get('y') or ()
+  for y in ys:
+    columns += [f for f in ([y] if isinstance(y, str) else y) if f not in columns]
+  return columns
+
+
+def plot(path: str, rows: List[dict], spec, title: str = 'sweep', swept=()) -> None:
+  """One panel per figure in spec.y against spec.x (a spec.y of lists: one row of panels per
+  list, titled by spec.row_titles). Points differing in a swept field other than x (one x does
+  not fix) are separate series; the legend names every such field."""
+  plt = plots.pyplot()
   grid = [list(y) for y in spec.y] if all(isinstance(y, (list, tuple)) for y in spec.y) else [
       list(spec.y)]
+  x, logy = spec.x, set(spec.get('logy') or ())
+  order = [spec.group] if spec.get('group') else []
+  order += [f for f in swept if f not in order]
+  fields = [f for f in plots.varying(rows, order)
+            if f != x and not plots.determined_by(rows, f, x)]
+  series = {}
+  for r in rows:
+    series.setdefault(plots.series_label(r, fields) if fields else None, []).append(r)
   width = max(len(ys) for ys in grid)
-  logy = set(spec.get('logy') or ())
-  group = spec.get('group')
-  fig, axes = plt.subplots(len(grid), width, figsize=(4.5 * width, 3.6 * len(grid)),
-                           squeeze=False)
-  groups = sorted({r.get(group) for r in rows}, key=str) if group else [None]
-  panels = [(axes[i][j], y) for i, ys in enumerate(grid) for j, y in enumerate(ys)]
-  for i, ys in enumerate(grid):  # rows shorter than the widest leave their last panels empty
-    for ax in axes[i][len(ys):]:
-      ax.axis('off')
-  for ax, y in panels:
-    for g in groups:
-      sel = [r for r in rows if group is None or r.get(group) == g]
-      pts = sorted((r[spec.x], r[y]) for r in sel if r.get(y) is not None)
-      if pts:
-        ax.plot(*zip(*pts), marker='o', label=None if g is None else f'{group}={g}')
-    if spec.get('logx'):
-      ax.set_xscale('log', base=2)
-    if y in logy:
-      ax.set_yscale('log')
-    ax.set_xlabel(spec.x)
-    ax.set_title(y)
-    ax.grid(alpha=0.3)
-    if group:
-      ax.legend()
-  fig.tight_layout()
-  with run_info.atomic_write(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=120)
-  plt.close(fig)
+  fig = plt.figure(figsize=(4.2 * width, 3.5 * len(grid) + (0.5 if fields else 0)),
+                   layout='constrained')
+  subfigs = fig.subfigures(len(grid), 1, squeeze=False)[:, 0]
+  row_titles = list(spec.get('row_titles') or ())
+  xs = [r[x] for r in rows if r.get(x) is not None]
+  handles = {}
+  for i, (subfig, ys) in enumerate(zip(subfigs, grid)):
+    axes = subfig.subplots(1, len(ys), squeeze=False)[0]
+    if i < len(row_titles):
+      subfig.suptitle(row_titles[i], fontsize=10, fontweight='bold')
+    for ax, y in zip(axes, ys):
+      factor, y_unit = plots.scaled(y, [r.get(y) for r in rows])
+      for label, mine in series.items():
+        pts = sorted((r[x], factor * r[y]) for r in mine
+                     if r.get(y) is not None and r.get(x) is not None)
+        if pts:
+          (line,) = ax.plot(*zip(*pts), marker='o', ls='-' if len(pts) > 1 else 'none',
+                            label=label)
+          handles.setdefault(label, line)
+      if spec.get('logx'):
+        ax.set_xscale('log')
+      if len(set(xs)) <= 12:
+        plots.plain_ticks(ax, xs)
+      if y in logy:
+        plots.log_y(ax, [factor * r[y] for r in rows if r.get(y) is not None])
+      elif all(r.get(y) is None or r[y] >= 0 for r in rows):
+        ax.set_ylim(bottom=0)
+      ax.set_title(plots.words(y), fontsize=9)
+      ax.set_ylabel(y_unit)
+      ax.set_xlabel(plots.axis(x))
+      ax.grid(alpha=0.3)
+  if fields:
+    fig.legend(list(handles.values()), list(handles), loc='outside lower center',
+               ncol=min(len(handles), 3), fontsize=8, frameon=False)
+  fig.suptitle(title, fontsize=11)
+  plots.save(fig, path)
 
 
-def main(argv):
-  del argv
-  config = flags.FLAGS.config
-  workdir = cli.prepare_workdir(flags.FLAGS.workdir)  # the points are checked in run_sweep
+def study(config, workdir: str) -> dict:
+  """run_sweep, then the table of its rows printed and written to table.md."""
   rows = run_sweep(config, workdir)
-  print(f'{len(rows)} points: {workdir}/results.jsonl, results.csv, summary.json')
+  points = [dict(p) for p in config.sweep]
+  table = run_info.markdown_table(rows, table_columns(config, points), digits=4)
+  title = config.get('title', 'sweep') + cli.variant_note(config)
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(f'{title}\n\n{table}\n')
+  print(f'{title}\n\n{table}')
+  return {'rows': rows}
+
+
+def check(config) -> None:
+  """Before the workdir: a command-line override of a swept field is refused (cli)."""
+  if not config.get('sweep'):
+    raise ConfigError('config.sweep is empty: list at least one point of dotted overrides')
+  cli.refuse_swept_overrides(config)
 
 
 if __name__ == '__main__':
   # Defined here, not at import, so other entry points (reproduce_memory) can use run_sweep.
-  cli.define_flags(None, 'Sweep config.', lock_config=False)
-  cli.run(main)
+  cli.run_study(None, 'Sweep config.', study, check=check)

@@ -45,11 +45,11 @@ import numpy as np
 
 from experiments import cli
 from experiments import jobs
-from experiments import simulate
+from experiments import plots
 from experiments import sweep
 from pagedjax import config as config_lib
 from pagedjax import run_info, workloads
-from pagedjax.sim import hardware, simulated_device
+from pagedjax.sim import sim_config, simulated_device
 from pagedjax.host.sampling_params import SamplingParams
 
 # The engine's clock: this process's CPU seconds (its own threads and XLA's) or wall seconds.
@@ -129,6 +129,11 @@ def check(config) -> None:
   if 'sim' in config and tiered:
     fail('thrashing.rows', tiered, 'rows without tiers.* overrides on a simulated device (its '
          'pool holds no block contents for a host tier to copy)')
+  if 'sim' in config:
+    sim_config.check(config)
+  # Every run sets its own pool (thrashing.pool_blocks) and its row's fields.
+  swept = ['pool.num_blocks'] + sorted({k for _, overrides in c.rows for k in overrides})
+  cli.refuse_swept_overrides({'sweep': [{k: '(per run)' for k in swept}]})
 
 
 def priorities(requests, classes: int) -> dict:
@@ -160,7 +165,7 @@ def make_engine(config, clock: str):
   if 'sim' in config:
     sim = config.sim
     return simulated_device.simulated_engine(
-        simulate.model_shape(sim), hardware.get_hardware(sim.hardware),
+        sim_config.model_shape(config), sim_config.hardware_of(config),
         config_lib.Config.from_configdict(config), weight_dtype=sim.weight_dtype,
         activation_dtype=sim.activation_dtype, count_padding=sim.count_padding)
   return jobs.make_engine(config, timer=CLOCKS[clock])[0]
@@ -227,8 +232,11 @@ class Runs:
     per-request rows)] in the points' order."""
     figures = [[] for _ in points]
     last = [None] * len(points)
+    bar = cli.progress(total=repeats * len(points), desc=f'part {points[0][0]["part"]}',
+                       unit='run')
     for repeat in range(repeats):
       for i, (label, config, requests, priority) in enumerate(points):
+        bar.update()
         row, digest, per_request = replay(config, requests, priority, self.clock)
         self.digests.setdefault(digest, dict(label, repeat=repeat))
         record = dict(label, repeat=repeat, outputs_digest=digest, **row)
@@ -236,10 +244,10 @@ class Runs:
         self.log.flush()
         figures[i].append(row)
         last[i] = per_request
-        print(f'  {_label_text(label)} repeat {repeat}: goodput '
-              f'{row["goodput_tokens_per_s"]:.0f} tok/s, recomputed '
-              f'{row["recomputed_token_fraction"]:.3f}, preemptions {row["preemptions"]}',
-              flush=True)
+        cli.say(f'  {_label_text(label)} repeat {repeat}: goodput '
+                f'{row["goodput_tokens_per_s"]:.0f} tok/s, recomputed '
+                f'{row["recomputed_token_fraction"]:.3f}, preemptions {row["preemptions"]}')
+    bar.close()
     return [(label, median(f), p) for (label, *_), f, p in zip(points, figures, last)]
 
   @property
@@ -347,57 +355,61 @@ def goal(rows: list, top: dict, config) -> dict:
 def setting(config) -> str:
   """What the runs ran on, for titles and the summary."""
   if 'sim' in config:
-    shape = simulate.model_shape(config.sim)
-    return f'{shape.name} on {hardware.get_hardware(config.sim.hardware).name} (simulated)'
+    shape = sim_config.model_shape(config)
+    return f'{shape.name} on {sim_config.hardware_of(config).name} (simulated)'
   return f'tiny random Llama, CPU, engine clock = {config.thrashing.clock} time'
 
 
 def plot(sweep_rows: list, rows: list, top: dict, config, workdir: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = plots.pyplot()
   c = config.thrashing
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  note = cli.variant_note(config)
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout='constrained')
   for pool in c.pool_blocks:
     mine = sorted((r for r in sweep_rows if r['pool_blocks'] == pool), key=lambda r: r['rate'])
     rates = [r['rate'] for r in mine]
-    axes[0].plot(rates, [r['goodput_tokens_per_s'] for r in mine], 'o-', label=f'{pool} blocks')
-    axes[1].plot(rates, [r['recomputed_token_fraction'] for r in mine], 'o-',
-                 label=f'{pool} blocks')
-    axes[2].plot(rates, [r['re_preempted_requests'] for r in mine], 'o-', label=f'{pool} blocks')
+    for ax, key in zip(axes, ('goodput_tokens_per_s', 'recomputed_token_fraction',
+                              're_preempted_requests')):
+      ax.plot(rates, [r[key] for r in mine], 'o-', label=f'pool of {pool} blocks')
   axes[0].axvline(top['rate'], color='gray', ls=':', label='peak (chosen pool)')
   axes[0].axvline(c.overload * top['rate'], color='red', ls=':', label='Part B rate')
-  for ax, title in zip(axes, ('goodput (tokens/s)', 'recomputed-token fraction',
-                              're-preempted requests')):
+  for ax, title, unit in zip(axes, ('goodput', 'recomputed-token fraction',
+                                    're-preempted requests (2+ preemptions)'),
+                             ('generated tokens/s of finished requests',
+                              'share of positions fed', 'requests')):
     ax.set_xscale('log')
     ax.minorticks_off()
     ax.set_xticks(list(c.rates), [f'{r:g}' for r in c.rates])
-    ax.set_xlabel('arrival rate (requests/s)')
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set(xlabel='arrival rate (requests/s)', ylabel=unit, title=title, ylim=(0, None))
+  # A count: whole requests, from 0 to at least 1 (all zeros would otherwise span +-0.05).
+  axes[2].set_ylim(0, 1.15 * max([1] + [r['re_preempted_requests'] for r in sweep_rows]))
+  axes[2].yaxis.get_major_locator().set_params(integer=True)
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc='outside lower center', ncol=len(labels), fontsize=8,
+             frameon=False)
   fig.suptitle('Part A, unmitigated (newest victim, recompute, watermark admission); '
-               f'{setting(config)}')
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, 'sweep.png'), dpi=100)
-  plt.close(fig)
+               f'{setting(config)}{note}', fontsize=10)
+  plots.save(fig, os.path.join(workdir, 'sweep.png'), dpi=100)
 
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5), layout='constrained')
   names = [r['row'] for r in rows]
   colors = ['tab:red' if n == 'unmitigated' else 'tab:blue' for n in names]
   axes[0].bar(names, [r['goodput_vs_peak'] for r in rows], color=colors)
   axes[0].axhline(c.goal_goodput_ratio, color='k', ls='--', label='goal')
-  axes[0].set_title(f'goodput / peak goodput at {c.overload:g}x the peak rate')
+  axes[0].set(title=f'goodput / peak goodput at {c.overload:g}x the peak rate',
+              ylabel='share of the rerun peak\'s goodput', ylim=(0, None))
   axes[1].bar(names, [r['recomputed_token_fraction'] for r in rows], color=colors)
   axes[1].axhline(c.goal_recomputed_fraction, color='k', ls='--', label='goal')
-  axes[1].set_title('recomputed-token fraction')
+  axes[1].set(title='recomputed-token fraction', ylabel='share of positions fed', ylim=(0, None))
   for ax in axes:
-    ax.tick_params(axis='x', rotation=60)
-    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=45, ha='right', rotation_mode='anchor')
+  handles, labels = axes[0].get_legend_handles_labels()
+  handles += [plt.Rectangle((0, 0), 1, 1, color=c_) for c_ in ('tab:red', 'tab:blue')]
+  labels += ['unmitigated', 'a mitigation']
+  fig.legend(handles, labels, loc='outside lower center', ncol=3, fontsize=8, frameon=False)
   fig.suptitle(f'Part B: pool {c.chosen_pool} blocks, {c.overload * top["rate"]:g} req/s; '
-               f'{setting(config)}')
-  fig.tight_layout()
-  fig.savefig(os.path.join(workdir, 'mitigations.png'), dpi=100)
-  plt.close(fig)
+               f'{setting(config)}{note}', fontsize=10)
+  plots.save(fig, os.path.join(workdir, 'mitigations.png'), dpi=100)
 
 
 def study(config, workdir: str) -> dict:
@@ -412,7 +424,8 @@ def study(config, workdir: str) -> dict:
   rows, cost = part_b(config, runs, top, workdir)
   runs.log.close()
   run_info.write_csv(os.path.join(workdir, 'sweep.csv'), sweep_rows, SWEEP_COLUMNS)
-  run_info.write_csv(os.path.join(workdir, 'mitigations.csv'), rows, ROW_COLUMNS + FIGURES)
+  run_info.write_csv(os.path.join(workdir, 'mitigations.csv'), rows,
+                     list(dict.fromkeys(ROW_COLUMNS + FIGURES)))
   outcome = goal(rows, top, config)
   table = (f'{setting(config)}\n\nPart A (unmitigated)\n\n'
            f'{run_info.markdown_table(sweep_rows, SWEEP_COLUMNS)}\n\n'
@@ -426,7 +439,7 @@ def study(config, workdir: str) -> dict:
              'distinct_outputs': runs.digests, 'peak': top, 'part_b_rate':
              config.thrashing.overload * top['rate'], 'mitigations': rows, 'sweep': sweep_rows,
              'cost_model': cost, 'load_average': {'start': load_before, 'end': load_average()},
-             'config': config.to_dict(), **run_info.environment()}
+             **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   plot(sweep_rows, rows, top, config, workdir)
   print(outcome['in_words'])

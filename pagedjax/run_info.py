@@ -1,5 +1,5 @@
-"""What every experiment records next to its figures (config, versions, device, git revision),
-and how it writes them: atomically, so an interrupted run leaves the previous file, never half
+"""What every experiment records next to its figures (config and its variant, versions, device,
+git revision, machine load), and how it writes them: atomically, so an interrupted run leaves the previous file, never half
 of one."""
 import contextlib
 import csv
@@ -54,7 +54,18 @@ def environment() -> dict:
       'device': {'backend': jax.default_backend(), 'kind': devices[0].device_kind,
                  'count': len(devices), 'cpu': platform.processor() or platform.machine(),
                  'cpu_count': os.cpu_count()},
+      # 1, 5 and 15 minute load averages when the summary is written: on a shared machine,
+      # other work moves every timed figure.
+      'load_average': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None,
   }
+
+
+def summary_fields(config) -> dict:
+  """What every study's summary.json carries besides its figures: the config's variant ('full',
+  or e.g. 'tiny': a smoke-size run, not the study's figures), the whole config, and
+  environment()."""
+  return {'variant': str(config.get('variant', None) or 'full'), 'config': config.to_dict(),
+          **environment()}
 
 
 @contextlib.contextmanager
@@ -107,9 +118,15 @@ def write_csv(path: str, rows: list, columns=None) -> None:
 
 
 def markdown_table(rows: list, columns, digits: int = 3) -> str:
-  """rows (dicts) as a markdown table of `columns`; floats to `digits` significant digits, None
-  blank."""
-  fmt = lambda v: '' if v is None else f'{v:.{digits}g}' if isinstance(v, float) else str(v)
+  """rows (dicts) as a markdown table of `columns`; floats to `digits` significant digits (whole
+  numbers from 10**digits up, never 1.2e+04), None blank."""
+  def fmt(v):
+    if v is None:
+      return ''
+    if isinstance(v, float):
+      return f'{v:.0f}' if abs(v) >= 10**digits and v == v and abs(v) != float('inf') else (
+          f'{v:.{digits}g}')
+    return str(v)
   lines = ['| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
   lines += ['| ' + ' | '.join(fmt(r.get(k)) for k in columns) + ' |' for r in rows]
   return '\n'.join(lines)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pagedjax import sizing, workloads
-from pagedjax.config import Config
+from pagedjax.config import Config, ConfigError
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
@@ -21,6 +21,7 @@ from pagedjax.sim import calibrate, hardware
 from pagedjax.sim import simulated_device as sd
 from pagedjax.sim.cost_model import CostModel, StepShape, decode_step, prefill_step
 import fakes
+from study_outputs import check_outputs, run_tiny
 import tiny_models
 
 SMALL = sizing.ModelShape('small', num_layers=2, d_model=64, num_heads=4, num_kv_heads=2,
@@ -408,11 +409,14 @@ def test_grid_keeps_each_call_once_and_covers_every_bucket():
 
 def test_calibrate_and_validate_tiny(tmp_path):
   """--calibrate's whole pipeline on a tiny random model: profile, fit, profile file, real runs
-  compared per iteration and end to end."""
+  compared per iteration and end to end; then the replay of the same trace with that profile
+  (the `:tiny` replay simulates the calibrated model, not SmolLM2)."""
   from configs import simulate_cpu
   from experiments import simulate
-  summary = simulate.calibrate_and_validate(simulate_cpu.get_config('tiny'), str(tmp_path),
-                                            progress=lambda s: None)
+  config = simulate_cpu.get_config('tiny')
+  summary, stdout = run_tiny(simulate.study, config, tmp_path / 'cal', check=simulate.check,
+                             validate=False, calibrate=True)
+  check_outputs(tmp_path / 'cal', stdout, table=False)
   profile = hardware.load_profile(summary['profile'])
   assert profile.calibrated and profile.attention_reads == 'batch_max'
   (run,) = summary['validation']
@@ -420,7 +424,7 @@ def test_calibrate_and_validate_tiny(tmp_path):
   assert run['per_iteration']['iterations_compared'] > 0
   e2e = run['end_to_end']
   assert e2e['iterations']['measured'] > 0 and e2e['generated_tokens_per_s']['simulated'] > 0
-  assert (tmp_path / 'hardware_profile.json').exists()
+  assert (tmp_path / 'cal' / 'hardware_profile.json').exists()
   # The host profile's requests all arrive at once: here 4 requests in batches of 2 give one
   # batch size only, so no per-row slope is fitted (it used to be an arbitrary half).
   assert summary['host']['rows_seen'] == [2] and summary['host']['row_overhead_s'] == 0.0
@@ -430,24 +434,110 @@ def test_calibrate_and_validate_tiny(tmp_path):
   timed = [r for r in rows if r['compiled'] == 'False']
   assert all(float(r['measured_s']) > 0 and float(r['predicted_s']) > 0 for r in timed)
   assert all(r['decode_measured_s'] or r['prefill_measured_s'] for r in timed)
-  assert (tmp_path / 'grid.csv').read_text().startswith('kind,rows,tokens_per_row')
+  assert (tmp_path / 'cal' / 'grid.csv').read_text().startswith('kind,rows,tokens_per_row')
+
+  # The replay: the same model and trace on the profile; its throughput is the calibration's
+  # simulated one (both are the fitted cost model on the same trace).
+  config.sim.hardware = summary['profile']
+  replay, stdout = run_tiny(simulate.study, config, tmp_path / 'replay', check=simulate.check,
+                            validate=False)
+  check_outputs(tmp_path / 'replay', stdout, plots=0)
+  (row,) = replay['rows']
+  assert row['model'] == 'tiny random Llama' and row['hardware_calibrated'] is True
+  assert row['generated_tokens_per_s'] == pytest.approx(
+      e2e['generated_tokens_per_s']['simulated'], rel=0.05)
+  config.sim.hardware = 'runs/nowhere/hardware_profile.json'
+  with pytest.raises(ConfigError, match=r"config.sim.hardware='runs/nowhere/hardware_profile."
+                     r"json' is not allowed: .*this file does not exist"):
+    simulate.check(config)
 
 
-def test_simulate_cli_tiny(tmp_path):
-  """One subprocess: the rate sweep's files, every one marked simulated."""
-  out = tiny_models.run_experiment('experiments.simulate',
-                                   '--config=configs/simulate_vllm.py:tiny',
-                                   f'--workdir={tmp_path}')
-  assert out.returncode == 0, out.stderr[-2000:]
-  summary = json.loads((tmp_path / 'summary.json').read_text())
+def test_simulate_vllm_tiny(tmp_path):
+  """The rate sweep through its entry point's pipeline: files and titles marked simulated and
+  tiny, the paged / contiguous table printed."""
+  from configs import simulate_vllm
+  from experiments import simulate
+  config = simulate_vllm.get_config('tiny')
+  summary, stdout = run_tiny(simulate.study, config, tmp_path, check=simulate.check,
+                             validate=False)
+  check_outputs(tmp_path, stdout)
   assert summary['simulated'] and summary['figures']['simulated']
+  assert 'SmolLM2-135M on 1x A100 40GB' in summary['title'] and 'OPT' not in summary['title']
+  assert 'paged rate (req/s)' in stdout
   rows = [json.loads(line) for line in (tmp_path / 'results.jsonl').read_text().splitlines()]
   assert len(rows) == 4 and all(r['simulated'] for r in rows)
-  assert 'simulated' in (tmp_path / 'results.csv').read_text().splitlines()[0]
+  header = (tmp_path / 'results.csv').read_text().splitlines()[0].split(',')
+  assert header[:2] == ['pool.kind', 'trace.rate'] and 'simulated' in header
+  assert 'pool_kind' not in header and 'trace_rate' not in header  # repeats of swept fields
   assert '(simulated)' in (tmp_path / 'table.md').read_text()
-  assert (tmp_path / 'plot.png').stat().st_size > 0
   kinds = {r['pool.kind']: r for r in rows if r['trace_rate'] == 80.0}
   # Same KV budget; the contiguous pool reserves max_seq_len per request, so fewer run at once.
   assert kinds['paged']['num_blocks'] == kinds['contiguous']['num_blocks']
   assert kinds['paged']['peak_concurrent_sequences'] > kinds['contiguous'][
       'peak_concurrent_sequences']
+
+
+def _profile(tmp_path, **changes):
+  """A hardware-profile file: UNIT's figures with `changes` (JSON allows Infinity and NaN)."""
+  hw = hardware.to_dict(UNIT)
+  for key, value in changes.items():
+    if key.startswith('efficiency.'):
+      hw['efficiency'][key.split('.', 1)[1]] = value
+    else:
+      hw[key] = value
+  path = tmp_path / 'profile.json'
+  path.write_text(json.dumps({'hardware': hw}))
+  return str(path)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('hardware', 'b200', r"config.sim.hardware='b200' is not allowed: one of h100-sxm, .*profile"),
+    ('model', 'gpt-5', r"config.sim.model='gpt-5' is not allowed: one of .*llama3-8b"),
+    ('model', 'config.model', r"config.sim.model='config.model' is not allowed: .* only with "
+                              r"model.source='random'"),
+    ('weight_dtype', 'fp12', r"config.sim.weight_dtype='fp12' is not allowed: one of fp32, "),
+    ('activation_dtype', 'int8', r"config.sim.activation_dtype='int8' is not allowed: one of "
+                                 r"fp32, bf16, fp16"),
+    ('num_kv_heads', -3, r'config.sim.num_kv_heads=-3 is not allowed: an integer >= 0'),
+    ('num_kv_heads', 3, r'config.sim.num_kv_heads=3 is not allowed: 0 .*or a divisor of the 32 '
+                        r'query heads'),
+    ('memory_fraction', 5, r'config.sim.memory_fraction=5.0 is not allowed: a share of one '
+                           r"device's memory in \(0, 1\]"),
+    ('memory_fraction', float('nan'), r'config.sim.memory_fraction=nan is not allowed'),
+    ('memory_fraction', -1, r'config.sim.memory_fraction=-1.0 is not allowed'),
+    ('num_blocks', -5, r'config.sim.num_blocks=-5 is not allowed: an integer >= 0'),
+    ('num_blocks', 100, r'config.sim.num_blocks=100 is not allowed: 0 .*or at least '
+                        r'engine.max_batch_size \+ 1 = 257'),
+    ('memory_fractoin', 0.5, r"config.sim.memory_fractoin=0.5 is not allowed: a field of "
+                             r"config.sim: model, hardware"),
+    ('hardware', {'hbm_bytes': float('inf')}, r'is not allowed: a hardware profile that loads: '
+                                              r'.*hbm_bytes=inf is not allowed'),
+    ('hardware', {'hbm_bandwidth': float('nan')}, r'hbm_bandwidth=nan is not allowed'),
+    ('hardware', {'efficiency.kv_bandwidth': -0.5}, r'kv_bandwidth=-0.5 is not allowed'),
+    ('hardware', 'missing.json', r"config.sim.hardware='missing.json' is not allowed: .*this file "
+                                 r"does not exist"),
+])
+def test_sim_config_errors_name_field_value_and_allowed(tmp_path, field, value, message):
+  """config.sim is checked like the engine's sections, before any point runs (exit 2 from the
+  command line): a bad preset, dtype, count, share or profile file is one ConfigError."""
+  from configs import simulate_ablations
+  from experiments import simulate
+  config = simulate_ablations.get_config('tiny')
+  if isinstance(value, dict):
+    value = _profile(tmp_path, **value)
+  config.sim[field] = value
+  with pytest.raises(ConfigError, match=message):
+    simulate.check(config)
+
+
+def test_sim_config_is_refused_before_the_workdir(tmp_path):
+  """The entry point's path (cli.run_config, what `python -m experiments.simulate` runs): the
+  refusal comes before the workdir is made (the command line prints it as one `error:` line,
+  exit 2: tests/test_decode_experiment.py checks that mapping)."""
+  from configs import simulate_ablations
+  from experiments import simulate
+  config = simulate_ablations.get_config('tiny')
+  config.sim.memory_fraction = 5
+  with pytest.raises(ConfigError, match=r'config.sim.memory_fraction=5.0 is not allowed'):
+    run_tiny(simulate.study, config, tmp_path / 'w', check=simulate.check, validate=False)
+  assert not (tmp_path / 'w').exists()

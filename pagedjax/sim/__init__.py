@@ -5,6 +5,8 @@ device whose time comes from a calibrated cost model.
   cost_model.py        seconds per step call and per block transfer: a roofline per op class
   simulated_device.py  the backend Engine(backend=...) takes: a pool without arrays, a step and
                        executor that advance a simulated clock; simulated_engine() builds one
+  sim_config.py        config.sim: its fields checked (one ConfigError naming the field), the
+                       model shape and device a simulation uses
   calibrate.py         profiles the real jitted step on this machine, fits the efficiencies,
                        and checks the simulator against a real run (per iteration, end to end)
 

@@ -104,8 +104,12 @@ class Hardware:
     for name in ('hbm_bytes', 'hbm_bandwidth', 'peak_flops', 'host_link_bandwidth',
                  'interconnect_bandwidth'):
       value = getattr(self, name)
-      if not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f'Hardware.{name}={value!r} is not allowed: a number > 0')
+      # Rates may be infinite (an ideal device, e.g. compute-only in tests); memory may not.
+      finite = name == 'hbm_bytes'
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
+          finite and not math.isfinite(value)):
+        raise ValueError(f'Hardware.{name}={value!r} is not allowed: a '
+                         f'{"finite " if finite else ""}number > 0')
     if self.attention_reads not in ATTENTION_READS:
       raise ValueError(f'Hardware.attention_reads={self.attention_reads!r} is not allowed: '
                        f'one of {ATTENTION_READS}')
@@ -194,10 +198,20 @@ def save_profile(path: str, hw: Hardware, extra: Optional[dict] = None) -> None:
     json.dump({'hardware': to_dict(hw), **(extra or {})}, f, indent=1)
 
 
+def _finite_figures(d: dict) -> dict:
+  """A profile's hardware section, every number in it finite (a fitted profile has no ideal
+  device in it: Infinity or NaN there is damage)."""
+  for key, value in list(d.items()) + [(f'efficiency.{k}', v)
+                                        for k, v in (d.get('efficiency') or {}).items()]:
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f'hardware.{key}={value!r} is not allowed: a finite number')
+  return d
+
+
 def load_profile(path: str) -> Hardware:
   try:
     with open(path) as f:
-      return from_dict(json.load(f)['hardware'])
+      return from_dict(_finite_figures(json.load(f)['hardware']))
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'hardware profile {path!r} does not load ({type(e).__name__}: {e}); '
                      'write one with `python -m experiments.simulate --calibrate ...`') from None
