@@ -350,10 +350,12 @@ def plot(config, curves: list, ceiling: float, workdir: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   rows = list(dict.fromkeys(c['row'] for c in curves))
   note = cli.variant_note(config) if hasattr(cli, 'variant_note') else ''
+  palette = plt.get_cmap('tab10')
+  colors = {row: 'black' if row == OPTIMUM else palette(i % 10) for i, row in enumerate(rows)}
   fig, ax = plt.subplots(figsize=(8, 5))
   for row in rows:
     pts = [c for c in curves if c['row'] == row]
-    style = {'color': 'black', 'linewidth': 2.5} if row == OPTIMUM else {}
+    style = {'color': 'black', 'linewidth': 2.5} if row == OPTIMUM else {'color': colors[row]}
     ax.plot([c['capacity_tokens'] for c in pts], [c['hit_rate'] for c in pts], marker='o',
             markersize=3, label=row, **style)
   ax.axhline(ceiling, linestyle='--', color='grey', label='infinite cache')
@@ -373,15 +375,17 @@ def plot(config, curves: list, ceiling: float, workdir: str) -> None:
       continue
     pts = [c for c in curves if c['row'] == row]
     xs = [c['capacity_tokens'] for c in pts]
-    a1.plot(xs, [c['regret'] for c in pts], marker='o', markersize=3, label=row)
+    a1.plot(xs, [c['regret'] for c in pts], marker='o', markersize=3, label=row,
+            color=colors[row])
     if row != REFERENCE:
       a2.plot(xs, [c['gap_closed'] if c['gap_closed'] is not None else math.nan for c in pts],
-              marker='o', markersize=3, label=row)
+              marker='o', markersize=3, label=row, color=colors[row])
   a1.set_ylabel('regret (optimum hit rate - policy hit rate)')
   a1.set_title(f'Regret against the offline optimum (Belady){note}', fontsize=9)
   a2.axhline(0.5, linestyle='--', color='grey', label='goal: half the gap')
   a2.axhline(0.0, color='black', linewidth=0.8)
-  a2.set_ylabel("share of LRU's gap to the optimum closed")
+  a2.set_ylim(-1.05, 1.05)  # far below LRU (a gap of a few tenths of a percent) is off the axis
+  a2.set_ylabel("share of LRU's gap to the optimum closed (axis cut at -1)")
   a2.set_title(f"LRU's gap closed (1 = optimal, < 0 = worse than LRU){note}", fontsize=9)
   for a in (a1, a2):
     a.set_xscale('log')

@@ -144,6 +144,22 @@ def test_a_policy_from_a_test_module_runs_in_the_engine_and_the_simulator():
   assert MostRecentlyUsed.victims > 0
 
 
+@pytest.mark.parametrize('design', ['hash', 'radix'])
+@pytest.mark.parametrize('eviction', ONLINE)
+def test_every_online_eviction_policy_serves_the_engine(eviction, design):
+  """Each registered online policy as the device prefix cache's eviction (both designs): the
+  outputs are the model's, and every block is free, evictable or held exactly once."""
+  clock = fakes.FakeClock()
+  flat = {**FLAT, 'prefix_cache_eviction': eviction, 'prefix_cache_design': design}
+  config, rest = engine_config(fakes.CFG, step_fn=fakes.FakeStep(clock.tick), timer=clock, **flat)
+  engine = Engine(fakes.CFG, None, config, **rest)
+  assert type(engine.prefix_cache.queue) is policies.EVICTION.get(eviction)
+  for c in _run(engine):
+    assert c.output_ids == fakes.expected_outputs(c.prompt_ids, 12, fakes.CFG.max_seq_len)
+  assert engine.prefix_cache.evictions > 0
+  fakes.check_blocks(engine)
+
+
 @pytest.mark.parametrize('order, finished', [('fcfs', [0, 1, 2, 3]), ('sjf', [3, 1, 2, 0])])
 def test_queue_order_decides_who_is_served_first(order, finished):
   """One batch row: requests are served one after another in the waiting queue's order (sjf:
