@@ -8,15 +8,24 @@ figure is easy to get wrong. It depends on the *KV* heads, not the query heads
 in fp16, not the 512 KiB that 32 heads would give), and memory sizes mix GB (1e9) and GiB (2**30),
 a 7% gap at this scale. Every byte figure here is exact integer bytes; printing shows both units.
 
+KV bytes are what pagedjax's pool stores: for fp32, bf16, fp8, int8 and int4 the figure comes
+from the storage scheme itself (pagedjax/device/kv_schemes.py, `KVScheme.bytes_per_token`: codes,
+scales and zero points of every per-block array), the same method the engine's pool and the
+simulator count with, so the three cannot disagree. Llama-3-8B: int8 and fp8 store 66,560 B/token
+(65,536 of codes + a float16 scale per token and KV head), int4 40,960 (32,768 of codes + a
+float16 scale and zero point per 32 channels). fp16 has no pool format and counts as plain 2-byte
+values. `kv_scale_bytes` sizes another system's layout instead: codes plus one scale of that many
+bytes per `kv_group_size` channels (default head_dim).
+
 Sizes are counted, not measured: activations, the runtime's workspace and allocator fragmentation
-are not included (pass `reserve_gb` to set memory aside for them), weight-quantization scales are
-not counted, and KV quantization scales are counted only when a group size is given (a per-tensor
-or per-channel static scale is a handful of numbers per layer, so it is left out).
+are not included (pass `reserve_gb` to set memory aside for them), and weight-quantization
+scales are not counted.
 """
 import dataclasses
 import math
+import numbers
 import re
-from typing import Optional
+from typing import Optional, Union
 
 GB = 10**9
 GIB = 2**30
@@ -28,6 +37,10 @@ _DTYPE_ALIASES = {'float32': 'fp32', 'f32': 'fp32', 'float16': 'fp16', 'f16': 'f
                   'e4m3': 'fp8', 'e5m2': 'fp8', 's8': 'int8', 's4': 'int4'}
 # Only these carry per-group scales; a float16 cache has nothing to scale.
 _QUANTIZED = ('fp8', 'int8', 'int4')
+# This calculator's KV dtypes -> the pool's kv_dtype that stores them (fp16 has no pool format).
+POOL_KV_DTYPES = {'fp32': 'float32', 'bf16': 'bfloat16', 'fp8': 'fp8_e4m3', 'int8': 'int8',
+                  'int4': 'int4'}
+POOL_BLOCK_SIZE = 16  # config.PoolConfig.block_size's default; only block-wide scales need it
 NORMS = ('rms', 'layer')
 
 
@@ -183,50 +196,99 @@ def _kv_elements_per_token(shape: ModelShape, kv_heads: int) -> int:
   return 2 * shape.num_layers * kv_heads * shape.head_dim  # K and V
 
 
+def _is_count(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
 def _check_group(shape: ModelShape, kv_dtype: str, group_size: Optional[int]):
   if group_size is None:
     return
   if kv_dtype not in _QUANTIZED:
     raise ValueError(f'kv_group_size={group_size} given for kv_dtype={kv_dtype!r}; scales apply '
                      f'only to quantized KV dtypes: {", ".join(_QUANTIZED)}')
-  if group_size <= 0 or shape.head_dim % group_size:
+  if not _is_count(group_size) or shape.head_dim % group_size:
     raise ValueError(f'kv_group_size={group_size} must be positive and divide '
                      f'head_dim={shape.head_dim} (scale groups run along head_dim)')
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = 'fp16', *,
-                       kv_group_size: Optional[int] = None, kv_scale_bytes: int = 2,
-                       kv_heads: Optional[int] = None) -> int:
-  """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * bytes.
-
-  kv_group_size: elements sharing one scale along head_dim (head_dim itself = one scale per token
-    and head); each scale costs kv_scale_bytes (2 = an fp16 scale; 4 = fp16 scale + zero point).
-  kv_heads: override the head count (one device's share under tensor parallelism).
-  """
+def pool_kv_spec(shape: ModelShape, kv_dtype: str, kv_group_size: Optional[int] = None):
+  """The pool's storage spec (kv_schemes.KVQuantConfig) for one of POOL_KV_DTYPES; ValueError
+  for a group size the pool does not store that way."""
+  from pagedjax.device.kv_schemes import KVQuantConfig  # pylint: disable=g-import-not-at-top
   kv_dtype = canonical_dtype(kv_dtype)
   _check_group(shape, kv_dtype, kv_group_size)
-  elements = _kv_elements_per_token(shape, shape.num_kv_heads if kv_heads is None else kv_heads)
-  nbytes = math.ceil(elements * DTYPE_BITS[kv_dtype] / 8)
-  if kv_group_size is not None:
-    nbytes += elements // kv_group_size * kv_scale_bytes
-  return nbytes
+  if kv_dtype == 'int4':
+    spec = KVQuantConfig('int4', **({} if kv_group_size is None else
+                                    {'group_size': kv_group_size}))
+  else:
+    if kv_group_size not in (None, shape.head_dim):
+      raise ValueError(
+          f'kv_group_size={kv_group_size} is not how the pool stores {kv_dtype}: one scale per '
+          f'token and KV head, a group of head_dim={shape.head_dim} channels; give '
+          'kv_scale_bytes to size another layout')
+    spec = KVQuantConfig(POOL_KV_DTYPES[kv_dtype])
+  spec.validate(shape.head_dim)
+  return spec
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = 'fp16', *,
+                       kv_group_size: Optional[int] = None,
+                       kv_scale_bytes: Optional[int] = None,
+                       kv_heads: Optional[int] = None,
+                       block_size: int = POOL_BLOCK_SIZE) -> Union[int, float]:
+  """Bytes of K and V for one token over all layers and kv_heads (default: all of them; one
+  device's share under tensor parallelism).
+
+  Without kv_scale_bytes: what pagedjax's pool stores (module docstring), counted by the
+    storage scheme (kv_schemes.KVScheme.bytes_per_token) for kv_group_size (int4: channels per
+    scale, default the pool's 32) and block_size (which only block-wide scales depend on); fp16,
+    which the pool has no format for, is 2 * layers * kv_heads * head_dim * 2.
+  With kv_scale_bytes: another layout, codes plus one scale of kv_scale_bytes bytes (2 = an fp16
+    scale; 4 = fp16 scale + zero point) per kv_group_size channels (default head_dim).
+  An int, except where a scheme's block-wide arrays do not divide evenly over block_size tokens.
+  """
+  kv_dtype = canonical_dtype(kv_dtype)
+  heads = shape.num_kv_heads if kv_heads is None else kv_heads
+  if kv_scale_bytes is not None:
+    if not _is_count(kv_scale_bytes):
+      raise ValueError(f'kv_scale_bytes={kv_scale_bytes!r} must be an integer >= 1')
+    if kv_dtype not in _QUANTIZED:
+      raise ValueError(f'kv_scale_bytes={kv_scale_bytes} given for kv_dtype={kv_dtype!r}; '
+                       f'scales apply only to quantized KV dtypes: {", ".join(_QUANTIZED)}')
+    group = shape.head_dim if kv_group_size is None else kv_group_size
+    _check_group(shape, kv_dtype, group)
+    elements = _kv_elements_per_token(shape, heads)
+    return math.ceil(elements * DTYPE_BITS[kv_dtype] / 8) + elements // group * kv_scale_bytes
+  if kv_dtype not in POOL_KV_DTYPES:
+    _check_group(shape, kv_dtype, kv_group_size)
+    return math.ceil(_kv_elements_per_token(shape, heads) * DTYPE_BITS[kv_dtype] / 8)
+  if not _is_count(block_size):
+    raise ValueError(f'block_size={block_size!r} must be an integer >= 1')
+  # The scheme classes import jax: only a pool format's figure needs them.
+  from pagedjax.device.kv_schemes import scheme_for  # pylint: disable=g-import-not-at-top
+  scheme = scheme_for(pool_kv_spec(shape, kv_dtype, kv_group_size))
+  per_token = scheme.bytes_per_token(shape.num_layers, heads, block_size, shape.head_dim)
+  return int(per_token) if float(per_token).is_integer() else per_token
 
 
 def plan(shape: ModelShape, context: int, batch: int = 1, kv_dtype: str = 'fp16', tp: int = 1,
          hbm_gb: float = 80.0, *, weight_dtype: str = 'fp16', kv_group_size: Optional[int] = None,
-         kv_scale_bytes: int = 2, block_size: Optional[int] = None,
+         kv_scale_bytes: Optional[int] = None, block_size: Optional[int] = None,
          reserve_gb: float = 0.0) -> dict:
   """Memory plan for one device of a tp-way split; every figure is in bytes unless named otherwise.
 
   hbm_gb is per device, in GB of 1e9 bytes (an '80 GB' A100/H100 holds ~80 GiB, ~85.5e9 bytes).
-  block_size, if given, rounds each request's KV up to whole paged blocks.
+  block_size, if given, rounds each request's KV up to whole paged blocks. KV bytes per token:
+  kv_bytes_per_token (the pool's layout unless kv_scale_bytes is given).
   """
-  if context < 1 or batch < 1:
-    raise ValueError(f'context and batch must be >= 1, got context={context}, batch={batch}')
-  if hbm_gb <= 0 or reserve_gb < 0:
-    raise ValueError(f'hbm_gb must be > 0 and reserve_gb >= 0, got {hbm_gb}, {reserve_gb}')
-  if block_size is not None and block_size < 1:
-    raise ValueError(f'block_size must be >= 1, got {block_size}')
+  if not _is_count(context) or not _is_count(batch):
+    raise ValueError(f'context and batch must be integers >= 1, got context={context!r}, '
+                     f'batch={batch!r}')
+  if not (_is_finite(hbm_gb) and hbm_gb > 0) or not (_is_finite(reserve_gb) and reserve_gb >= 0):
+    raise ValueError(f'hbm_gb must be a finite number > 0 and reserve_gb a finite number >= 0, '
+                     f'got {hbm_gb!r}, {reserve_gb!r}')
+  if block_size is not None and not _is_count(block_size):
+    raise ValueError(f'block_size must be an integer >= 1, got {block_size!r}')
   kv_dtype, weight_dtype = canonical_dtype(kv_dtype), canonical_dtype(weight_dtype)
   notes = []
   hkv = kv_heads_per_device(shape, tp)
@@ -241,10 +303,10 @@ def plan(shape: ModelShape, context: int, batch: int = 1, kv_dtype: str = 'fp16'
   params = param_count(shape)
   params_dev = param_breakdown(shape, tp)['total']
   weight_bytes = math.ceil(params_dev * DTYPE_BITS[weight_dtype] / 8)
-  kv_token = kv_bytes_per_token(shape, kv_dtype, kv_group_size=kv_group_size,
-                                kv_scale_bytes=kv_scale_bytes)
-  kv_token_dev = kv_bytes_per_token(shape, kv_dtype, kv_group_size=kv_group_size,
-                                    kv_scale_bytes=kv_scale_bytes, kv_heads=hkv)
+  layout = dict(kv_group_size=kv_group_size, kv_scale_bytes=kv_scale_bytes,
+                block_size=block_size or POOL_BLOCK_SIZE)
+  kv_token = kv_bytes_per_token(shape, kv_dtype, **layout)
+  kv_token_dev = kv_bytes_per_token(shape, kv_dtype, kv_heads=hkv, **layout)
   tokens_held = context if block_size is None else math.ceil(context / block_size) * block_size
   kv_request = kv_token_dev * tokens_held
   hbm = int(hbm_gb * GB)
@@ -255,6 +317,7 @@ def plan(shape: ModelShape, context: int, batch: int = 1, kv_dtype: str = 'fp16'
   return {
       'model': shape.name, 'context': context, 'batch': batch, 'tp': tp,
       'kv_dtype': kv_dtype, 'weight_dtype': weight_dtype, 'kv_group_size': kv_group_size,
+      'kv_layout': kv_layout(shape, kv_dtype, kv_group_size, kv_scale_bytes),
       'params': params, 'params_per_device': params_dev,
       'weight_bytes_per_device': weight_bytes,
       'kv_heads_per_device': hkv, 'kv_head_replication': replication,
@@ -267,6 +330,24 @@ def plan(shape: ModelShape, context: int, batch: int = 1, kv_dtype: str = 'fp16'
       'batch_fits': batch <= max_requests,
       'notes': notes,
   }
+
+
+def _is_finite(value) -> bool:
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def kv_layout(shape: ModelShape, kv_dtype: str, kv_group_size: Optional[int] = None,
+              kv_scale_bytes: Optional[int] = None) -> str:
+  """What the KV figures count, in words."""
+  kv_dtype = canonical_dtype(kv_dtype)
+  if kv_scale_bytes is not None:
+    return (f'another layout: {kv_dtype} codes + {kv_scale_bytes} B per '
+            f'{kv_group_size or shape.head_dim} channels')
+  if kv_dtype not in POOL_KV_DTYPES:
+    return f'plain {kv_dtype} values (no pool format)'
+  from pagedjax.device.kv_schemes import scheme_for  # pylint: disable=g-import-not-at-top
+  return f'as the pool stores it: {scheme_for(pool_kv_spec(shape, kv_dtype, kv_group_size))!r}'
 
 
 def pool_per_device(shape: ModelShape, num_blocks: int, block_size: int, kv_dtype: str = 'fp16',
@@ -324,7 +405,7 @@ def format_plan(p: dict) -> str:
             + ('fits' if p['batch_fits'] else 'does NOT fit'))]
   width = max(len(label) for label, _ in rows) + 1
   lines = [f"{p['model']}: context {p['context']}, batch {p['batch']}, tp {p['tp']}, "
-           f"KV {kv_desc}, weights {p['weight_dtype']}"]
+           f"KV {kv_desc}, weights {p['weight_dtype']}", f"  KV layout: {p['kv_layout']}"]
   lines += [f'  {label + ":":<{width}} {value}' for label, value in rows]
   lines += [f'  note: {n}' for n in p['notes']]
   lines.append('  (not counted: activations, workspace, fragmentation, weight-quant scales)')
@@ -346,8 +427,12 @@ def _parser():
   add('batch', type=int, default=1, help='concurrent requests to check')
   add('kv-dtype', default='fp16', help=f'KV cache dtype: {", ".join(DTYPE_BITS)}')
   add('weight-dtype', default='fp16', help=f'weight dtype: {", ".join(DTYPE_BITS)}')
-  add('kv-group-size', type=int, help='elements per KV quantization scale, along head_dim')
-  add('kv-scale-bytes', type=int, default=2, help='bytes per KV scale (4 = fp16 scale + zero)')
+  add('kv-group-size', type=int,
+      help="int4: channels per scale (the pool's default 32); with --kv-scale-bytes: the group "
+           'of another layout (default head_dim)')
+  add('kv-scale-bytes', type=int,
+      help="bytes per scale of another layout than the pool's (4 = fp16 scale + zero point); "
+           'default: the pool\'s own layout (pagedjax/device/kv_schemes.py)')
   add('tp', type=int, default=1, help='tensor-parallel degree')
   add('hbm-gb', type=float, default=80.0,
       help='HBM per device in GB of 1e9 bytes (an "80 GB" A100/H100 holds ~80 GiB, ~85.5 GB)')
@@ -357,17 +442,63 @@ def _parser():
   return ap
 
 
+class FlagError(ValueError):
+  """A flag with a value that is not allowed; the message names both and what is allowed."""
+
+  def __init__(self, flag: str, value, allowed: str):
+    super().__init__(f'--{flag}={value!r} is not allowed: {allowed}')
+
+
+def check_flags(a) -> ModelShape:
+  """Every flag's value, before any work; returns the preset's shape. FlagError names the first
+  bad one (argparse has already refused values that are not numbers)."""
+  try:
+    shape = get_preset(a.preset)
+  except ValueError:
+    raise FlagError('preset', a.preset, f'one of {", ".join(PRESETS)}') from None
+  for flag in ('kv-dtype', 'weight-dtype'):
+    value = getattr(a, flag.replace('-', '_'))
+    try:
+      canonical_dtype(value)
+    except ValueError:
+      raise FlagError(flag, value, f'one of {", ".join(DTYPE_BITS)} (aliases: '
+                      f'{", ".join(_DTYPE_ALIASES)})') from None
+  counts = {'context': "tokens per request; omit the flag for the preset's trained context",
+            'batch': 'concurrent requests', 'tp': 'the tensor-parallel degree',
+            'kv-group-size': 'channels per scale', 'kv-scale-bytes': 'bytes per scale',
+            'block-size': 'tokens per paged block'}
+  for flag, what in counts.items():
+    value = getattr(a, flag.replace('-', '_'))
+    if value is not None and value < 1:
+      raise FlagError(flag, value, f'an integer >= 1 ({what})')
+  for flag, lowest in (('hbm-gb', '> 0'), ('reserve-gb', '>= 0')):
+    value = getattr(a, flag.replace('-', '_'))
+    if not math.isfinite(value) or not (value > 0 if flag == 'hbm-gb' else value >= 0):
+      raise FlagError(flag, value, f'a finite number of GB (10^9 bytes) {lowest}')
+  try:
+    kv_heads_per_device(shape, a.tp)
+  except ValueError as e:
+    raise FlagError('tp', a.tp, f'{e} ({shape.name})') from None
+  try:
+    kv_bytes_per_token(shape, a.kv_dtype, kv_group_size=a.kv_group_size,
+                       kv_scale_bytes=a.kv_scale_bytes)
+  except ValueError as e:
+    flag = 'kv-group-size' if a.kv_group_size is not None else 'kv-scale-bytes'
+    raise FlagError(flag, getattr(a, flag.replace('-', '_')), str(e)) from None
+  return shape
+
+
 def main(argv=None):
   import json  # pylint: disable=g-import-not-at-top
   ap = _parser()
   a = ap.parse_args(argv)
   try:
-    shape = get_preset(a.preset)
-    p = plan(shape, a.context or shape.max_seq_len, a.batch, a.kv_dtype, a.tp, a.hbm_gb,
-             weight_dtype=a.weight_dtype, kv_group_size=a.kv_group_size,
-             kv_scale_bytes=a.kv_scale_bytes, block_size=a.block_size, reserve_gb=a.reserve_gb)
-  except ValueError as e:
-    ap.error(str(e))  # usage line + message, exit status 2, no traceback
+    shape = check_flags(a)
+  except FlagError as e:
+    ap.error(str(e))  # usage line + one error line, exit status 2, no traceback
+  p = plan(shape, shape.max_seq_len if a.context is None else a.context, a.batch, a.kv_dtype,
+           a.tp, a.hbm_gb, weight_dtype=a.weight_dtype, kv_group_size=a.kv_group_size,
+           kv_scale_bytes=a.kv_scale_bytes, block_size=a.block_size, reserve_gb=a.reserve_gb)
   print(json.dumps(p, indent=2) if a.json else format_plan(p))
 
 

@@ -1,4 +1,5 @@
 """KV and weight sizing against hand-computed figures and the published parameter counts."""
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from pagedjax import sizing
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model.llama import ModelConfig, init_params
+from pagedjax.sim import simulated_device
 
 OPT13, L8, L70, SMOL = (sizing.PRESETS[k] for k in
                         ('opt-13b', 'llama3-8b', 'llama3-70b', 'smollm2-135m'))
@@ -24,17 +26,53 @@ def test_kv_bytes_per_token_fp16():
   assert sizing.kv_bytes_per_token(SMOL, 'bf16') == 2 * 30 * 3 * 64 * 2 == 23040
 
 
-def test_kv_dtypes_halve_and_scales_add():
-  fp16, int8, int4 = (sizing.kv_bytes_per_token(L8, d) for d in ('fp16', 'int8', 'int4'))
-  assert int8 * 2 == fp16 and int4 * 2 == int8
-  assert sizing.kv_bytes_per_token(L8, 'fp8') == int8
-  assert sizing.kv_bytes_per_token(L8, 'float32') == 2 * fp16
+def test_quantized_kv_counts_the_pools_scales_and_zero_points():
   elements = 2 * 32 * 8 * 128
-  # One fp16 scale per 32 elements; head_dim as the group = one scale per token and head.
-  assert sizing.kv_bytes_per_token(L8, 'int4', kv_group_size=32) == (
-      elements // 2 + elements // 32 * 2)
-  assert sizing.kv_bytes_per_token(L8, 'int8', kv_group_size=128, kv_scale_bytes=4) == (
+  fp16 = sizing.kv_bytes_per_token(L8, 'fp16')
+  assert fp16 == 2 * elements and sizing.kv_bytes_per_token(L8, 'float32') == 2 * fp16
+  assert sizing.kv_bytes_per_token(L8, 'bf16') == fp16
+  # int8 / fp8: codes + one float16 scale per token and KV head (a group of head_dim).
+  for dtype in ('int8', 'fp8', 'fp8_e5m2'):
+    assert sizing.kv_bytes_per_token(L8, dtype) == elements + elements // 128 * 2 == 66_560
+  assert sizing.kv_bytes_per_token(L8, 'int8', kv_group_size=128) == 66_560
+  # int4: packed codes + a float16 scale and zero point per 32 channels (the pool's default).
+  assert sizing.kv_bytes_per_token(L8, 'int4') == elements // 2 + elements // 32 * 4 == 40_960
+  assert sizing.kv_bytes_per_token(L8, 'int4', kv_group_size=64) == (
+      elements // 2 + elements // 64 * 4)
+  # Another system's layout: codes + kv_scale_bytes per kv_group_size channels.
+  assert sizing.kv_bytes_per_token(L8, 'int8', kv_scale_bytes=4) == (
       elements + elements // 128 * 4)
+  assert sizing.kv_bytes_per_token(L8, 'int4', kv_group_size=32, kv_scale_bytes=2) == (
+      elements // 2 + elements // 32 * 2)
+
+
+POOL_SPECS = [KVQuantConfig('float32'), KVQuantConfig('bfloat16'), KVQuantConfig('int8'),
+              KVQuantConfig('fp8_e4m3'), KVQuantConfig('fp8_e5m2'),
+              KVQuantConfig('int4', group_size=4), KVQuantConfig('int4', group_size=12),
+              KVQuantConfig('int4', group_size=4, key_per_channel=True),
+              KVQuantConfig('int8', recent_window=4)]
+SIZING_DTYPE = {'float32': 'fp32', 'bfloat16': 'bf16', 'int8': 'int8', 'fp8_e4m3': 'fp8',
+                'fp8_e5m2': 'fp8', 'int4': 'int4'}
+
+
+@pytest.mark.parametrize('spec', POOL_SPECS, ids=str)
+def test_sizing_the_engine_and_the_simulator_count_what_the_pool_stores(spec):
+  """One figure for bytes per token: the real pool's arrays of a tiny model, the scheme's
+  bytes_per_token (what sizing counts with) and the simulator's pool agree for every scheme;
+  sizing gives the same for every scheme its dtypes name."""
+  cfg = ModelConfig(vocab_size=97, d_model=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                    head_dim=12, ffn_dim=80, max_seq_len=64)
+  block_size = 8
+  pool = pool_lib.init_pool(cfg.num_layers, 5, cfg.num_kv_heads, block_size, cfg.head_dim,
+                            kv_quant=spec, max_sequences=3)
+  measured = pool.bytes_per_token
+  assert measured == pool.scheme.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, block_size,
+                                                 cfg.head_dim)
+  assert measured == simulated_device.SimulatedPool(cfg, 5, block_size, spec, 3).bytes_per_token
+  if not (spec.key_per_channel or spec.recent_window):  # formats sizing's dtypes name
+    group = spec.group_size if spec.kv_dtype == 'int4' else None
+    assert sizing.kv_bytes_per_token(sizing.from_model_config(cfg), SIZING_DTYPE[spec.kv_dtype],
+                                     kv_group_size=group, block_size=block_size) == measured
 
 
 @pytest.mark.parametrize('shape, published', [
@@ -131,6 +169,45 @@ def test_bad_names_list_allowed_values():
                       vocab_size=8, tie_embeddings=True)
 
 
+@pytest.mark.parametrize('dtype, per_token', [('int8', '66,560 B'), ('fp8', '66,560 B'),
+                                              ('int4', '40,960 B')])
+def test_cli_counts_the_scales_the_pool_stores(capsys, dtype, per_token):
+  sizing.main(['--preset', 'llama3-8b', '--kv-dtype', dtype])
+  assert f'KV per token:        {per_token}' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--context', '0'], "--context=0 is not allowed: an integer >= 1"),
+    (['--batch', '-2'], '--batch=-2 is not allowed: an integer >= 1'),
+    (['--kv-dtype', 'int8', '--kv-scale-bytes', '-1000'],
+     '--kv-scale-bytes=-1000 is not allowed: an integer >= 1'),
+    (['--kv-dtype', 'int4', '--kv-group-size', '0'], '--kv-group-size=0 is not allowed'),
+    (['--kv-dtype', 'int4', '--kv-group-size', '48'],
+     '--kv-group-size=48 is not allowed: .*divide head_dim=128'),
+    (['--kv-dtype', 'int8', '--kv-group-size', '32'],
+     '--kv-group-size=32 is not allowed: .*one scale per token and KV head'),
+    (['--block-size', '0'], '--block-size=0 is not allowed'),
+    (['--tp', '0'], '--tp=0 is not allowed: an integer >= 1'),
+    (['--tp', '3'], '--tp=3 is not allowed: tp=3 does not divide num_heads=32'),
+    (['--hbm-gb', 'nan'], '--hbm-gb=nan is not allowed: a finite number of GB'),
+    (['--hbm-gb', 'inf'], '--hbm-gb=inf is not allowed: a finite number of GB'),
+    (['--hbm-gb', '0'], '--hbm-gb=0.0 is not allowed: a finite number of GB .* > 0'),
+    (['--reserve-gb', 'inf'], '--reserve-gb=inf is not allowed: a finite number of GB'),
+    (['--reserve-gb', '-1'], '--reserve-gb=-1.0 is not allowed'),
+    (['--kv-dtype', 'fp4'], "--kv-dtype='fp4' is not allowed: one of fp32, fp16"),
+    (['--weight-dtype', 'q4'], "--weight-dtype='q4' is not allowed"),
+    (['--hbm-gb', 'lots'], "argument --hbm-gb/--hbm_gb: invalid float value: 'lots'"),
+])
+def test_every_flag_is_checked_before_any_work(capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    sizing.main(['--preset', 'llama3-8b'] + argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  (line,) = [l for l in err.splitlines() if 'error:' in l]
+  assert re.search(message, line), line
+  assert 'Traceback' not in err
+
+
 def test_cli(capsys):
   sizing.main(['--preset', 'llama3-8b', '--context', '8192', '--batch', '1', '--hbm-gb', '80'])
   out = capsys.readouterr().out
@@ -139,11 +216,11 @@ def test_cli(capsys):
   with pytest.raises(SystemExit) as e:
     sizing.main(['--preset', 'gpt2'])
   assert e.value.code == 2
-  assert 'allowed: opt-13b' in capsys.readouterr().err
+  assert "--preset='gpt2' is not allowed: one of opt-13b" in capsys.readouterr().err
 
 
 def test_runs_as_module():
   out = subprocess.run([sys.executable, '-m', 'pagedjax.sizing', '--preset', 'opt-13b',
                         '--kv-dtype', 'int8', '--json'], capture_output=True, text=True,
                        check=True).stdout
-  assert '"kv_bytes_per_token": 409600' in out
+  assert '"kv_bytes_per_token": 416000' in out  # 409,600 of codes + 6,400 of scales

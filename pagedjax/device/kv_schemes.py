@@ -35,6 +35,7 @@ comes from the pool's own helpers, `KVPool.at_slots` and `KVPool.blocks_touched`
 """
 import abc
 import dataclasses
+import math
 from typing import Dict, Optional, Tuple
 
 import jax.numpy as jnp
@@ -130,6 +131,15 @@ class KVScheme(abc.ABC):
   def read(self, pool, layer, batch):
     """What attention reads for `batch`: its blocks, dequantized (same shapes as read_blocks)."""
     return self.read_blocks(pool, layer, batch.block_tables)
+
+  def bytes_per_token(self, num_layers: int, num_kv_heads: int, block_size: int,
+                      head_dim: int) -> float:
+    """Stored bytes per token slot over all layers: every per-block array (codes, scales, zero
+    points) of one block, over block_size. Per-lane arrays (recent-window rings) are fixed in
+    size and not counted: with no lanes they hold nothing. The one count the pool, sizing.py and
+    the simulator share."""
+    shapes = self.shapes((num_layers, 1, num_kv_heads, block_size), head_dim, num_lanes=0)
+    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in shapes.values()) / block_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,9 +107,11 @@ class SimulatedPool:
 
   @property
   def bytes_per_token(self) -> float:
-    """Bytes one block slot takes over all layers, scales included, rings excluded (as
-    KVPool.bytes_per_token)."""
-    return self._bytes(1, dataclasses.replace(self.spec, recent_window=0)) / self.block_size
+    """Bytes one block slot takes over all layers, scales included, per-lane arrays excluded:
+    the scheme's own count, as KVPool.bytes_per_token's and sizing.py's."""
+    m = self.model_cfg
+    return self.scheme.bytes_per_token(m.num_layers, m.num_kv_heads, self.block_size,
+                                       m.head_dim)
 
   def block_array_shapes(self) -> dict:
     """None: a simulated host tier stores no block contents, only its bookkeeping."""
@@ -290,8 +292,8 @@ def plan_pool(shape: sizing.ModelShape, hardware: Hardware, *, block_size: int,
   the pool's scheme (pool_bytes: scales included)."""
   kv_quant.validate(shape.head_dim)
   hkv = sizing.kv_heads_per_device(shape, tp)
-  block_all = pool_lib.pool_bytes(shape.num_layers, 1, shape.num_kv_heads, block_size,
-                                  shape.head_dim, dataclasses.replace(kv_quant, recent_window=0))
+  block_all = scheme_for(kv_quant).bytes_per_token(shape.num_layers, shape.num_kv_heads,
+                                                    block_size, shape.head_dim) * block_size
   block_dev = block_all * hkv / shape.num_kv_heads
   weights = sizing.param_breakdown(shape, tp)['total'] * sizing.DTYPE_BITS[
       sizing.canonical_dtype(weight_dtype)] / 8
