@@ -1,0 +1,66 @@
+"""pagedjax replicas on Ray Serve (live, on this machine), and the simulated cluster on the same
+requests: which router finds the prompts cached, and what that does to TTFT.
+
+  python -m experiments.serve --workdir=runs/serve
+  python -m experiments.serve --config=configs/serve.py:tiny --workdir=/tmp/serve
+
+Every router row starts a fresh deployment (`serve.replicas` EngineReplicas of the config's
+model on 127.0.0.1, caches cold) and replays the same requests over HTTP (streamed, OpenAI
+/v1/completions, greedy, ignore_eos), arrivals at their trace times with at most
+`serve.concurrency` in flight. Router rows are (label, name, kwargs): name 'ray_pow2' and
+'ray_prefix' are Ray's PowerOfTwoChoicesRequestRouter and PrefixCacheAffinityRouter (kwargs to
+their initialize_state), any other a pagedjax router (pagedjax/cluster/routers.py).
+
+Workloads (`workload.kind`):
+  mooncake       requests `start`.. of /work/shared/traces/mooncake_conversation.jsonl
+                 (pagedjax.workloads.block_trace_requests: block ids -> deterministic tokens,
+                 blocks and outputs shrunk by `length_scale`, arrival gaps by `time_scale`);
+                 requests longer than engine.max_seq_len are left out (counted)
+  shared_prefix  `tenants` random prefixes of `prefix_tokens`, each request one of them and a
+                 fresh `question_tokens`, Poisson arrivals at `rate`/s
+
+Default: SmolLM2-135M (the shipped GGUF), 3 replicas, 48 Mooncake requests at 1/32 length.
+`:tiny`: the random tiny model, 2 replicas, 12 shared-prefix requests, three routers (a smoke
+run of the whole pipeline, about a minute per router on a loaded 2-core machine).
+"""
+import ml_collections
+
+from pagedjax.config import Config
+
+MOONCAKE = '/work/shared/traces/mooncake_conversation.jsonl'
+
+
+def router_rows():
+  """(label, name, kwargs); a tuple, so --config.serve.routers="(...)" overrides it."""
+  return (('ray_pow2', 'ray_pow2', {}),
+          ('ray_prefix', 'ray_prefix', {}),
+          ('round_robin', 'round_robin', {}),
+          ('load_aware', 'least_loaded', {'metric': 'tokens'}),
+          ('approximate', 'approx_prefix', {'block_size': 16}),
+          ('precise', 'precise', {}))
+
+
+def get_config(arg=None):
+  config = Config().to_configdict()
+  config.prefix_cache.enabled = True
+  config.engine.max_seq_len = 1024
+  config.serve = ml_collections.ConfigDict(dict(
+      replicas=3, routers=router_rows(), concurrency=8, request_timeout_s=120.0,
+      start_timeout_s=300.0, max_ongoing_requests=16,
+      simulate=True,  # also replay the same requests on the simulated cluster (sim.py)
+      sim_hardware='h100-sxm'))
+  config.workload = ml_collections.ConfigDict(dict(
+      kind='mooncake', path=MOONCAKE, start=0, requests=48, length_scale=1 / 32,
+      time_scale=0.05, tenants=4, prefix_tokens=192, question_tokens=32, output_tokens=8,
+      rate=4.0, seed=0))
+  if arg == 'tiny':
+    config.model.source = 'random'
+    config.serve.update(dict(replicas=2, concurrency=4, routers=(
+        ('ray_pow2', 'ray_pow2', {}), ('ray_prefix', 'ray_prefix', {}),
+        ('precise', 'precise', {}))))
+    config.workload.update(dict(kind='shared_prefix', requests=12, tenants=3, prefix_tokens=64,
+                                question_tokens=16, output_tokens=4, rate=8.0))
+  elif arg:
+    raise ValueError(f'configs/serve.py: unknown variant {arg!r}; allowed: tiny')
+  config.variant = arg or 'full'
+  return config

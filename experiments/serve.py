@@ -1,0 +1,308 @@
+"""Routers live on Ray Serve: N pagedjax engine replicas behind each router, the same requests
+over HTTP; prefix hit rate and TTFT per router, and the simulated cluster on the same requests.
+
+  python -m experiments.serve --workdir=runs/serve
+  python -m experiments.serve --config=configs/serve.py:tiny --workdir=/tmp/serve
+
+Per router row (configs/serve.py): a fresh deployment (pagedjax/cluster/serve.py:
+ServeDeployment, caches cold, Ray on 127.0.0.1 only), the requests replayed at their arrival
+times (streamed, greedy, ignore_eos, at most serve.concurrency in flight), then each replica's
+engine figures. TTFT is wall time from a request's scheduled arrival to its first streamed
+event, on this machine under its load (recorded): compare routers within one run, not with
+other machines. The hit rate (prompt tokens found in the replicas' prefix caches) does not
+depend on the machine's speed, only on where requests went and in what order they ran.
+Every router's greedy tokens are compared with the first router's, request by request.
+
+With serve.simulate, the pagedjax router rows are also replayed on the simulated cluster
+(pagedjax/cluster/sim.py: the same engine host code, the same pool, the model's shape on
+serve.sim_hardware's cost model): its hit rate is the one to set beside the live one (its TTFT
+is simulated seconds of another device, reported as such).
+
+Writes to WORKDIR:
+  requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts
+  routers.csv    per router: live and simulated figures
+  table.md       the routers table
+  serve.png      hit rate (live, simulated) and TTFT p50/p90 per router
+  summary.json   everything above, the load average, start times, config, versions, git state
+"""
+import concurrent.futures
+import os
+import time
+
+import numpy as np
+
+from experiments import cli
+from pagedjax import factory, run_info, sizing, workloads
+from pagedjax.cluster import routers as routers_lib
+from pagedjax.cluster import serve as serve_lib
+from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster
+from pagedjax.config import Config, ConfigError
+
+REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'latency_s',
+                   'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_first')
+ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
+                  'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
+                  'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
+                  'same_tokens_as_first', 'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
+                  'sim_prompt_tokens_computed', 'sim_ttft_p90_s')
+WORKLOADS = ('mooncake', 'shared_prefix')
+
+
+def check(config) -> None:
+  w, s = config.workload, config.serve
+
+  def fail(name, value, allowed):
+    raise ConfigError(f'config.{name}={value!r} is not allowed: {allowed}')
+  if w.kind not in WORKLOADS:
+    fail('workload.kind', w.kind, f'one of {WORKLOADS}')
+  for name in ('requests', 'tenants', 'prefix_tokens', 'question_tokens', 'output_tokens'):
+    if not isinstance(w[name], int) or w[name] < 1:
+      fail(f'workload.{name}', w[name], 'an integer >= 1')
+  if w.kind == 'mooncake' and not os.path.isfile(w.path):
+    fail('workload.path', w.path, 'a Mooncake block-hash trace file (JSON lines)')
+  if not w.rate > 0:
+    fail('workload.rate', w.rate, 'requests/s > 0')
+  for name in ('replicas', 'concurrency', 'max_ongoing_requests'):
+    if not isinstance(s[name], int) or s[name] < 1:
+      fail(f'serve.{name}', s[name], 'an integer >= 1')
+  for name in ('request_timeout_s', 'start_timeout_s'):
+    if not s[name] > 0:
+      fail(f'serve.{name}', s[name], 'seconds > 0')
+  labels = [row[0] for row in s.routers]
+  if not labels or len(set(labels)) != len(labels):
+    fail('serve.routers', labels, 'a non-empty tuple of (label, name, kwargs), labels unique')
+  for row in s.routers:
+    if len(row) != 3:
+      fail('serve.routers', row, 'rows of (label, name, kwargs)')
+    try:
+      serve_lib.router_config(row, 'check')
+    except (ValueError, TypeError) as e:
+      fail(f'serve.routers[{row[0]!r}]', row[1], str(e))
+  if not config.prefix_cache.enabled:
+    fail('prefix_cache.enabled', False, 'True (the routers route by cached prefix)')
+
+
+def tokenizer_for(config):
+  """The tokenizer the engines use (factory.load_model_and_tokenizer's choice), for the
+  ingress."""
+  from pagedjax.model import weights  # pylint: disable=import-outside-toplevel
+  from pagedjax.model.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  m = config.model
+  if m.source == 'safetensors':
+    return Tokenizer.from_file(os.path.join(m.path, 'tokenizer.json'))
+  return Tokenizer.from_gguf(m.path if m.source == 'gguf' else weights.smollm2_gguf_path())
+
+
+def make_requests(config, vocab_size: int) -> tuple:
+  """-> (requests as sim.ClusterRequests, how many were left out as too long)."""
+  w, limit = config.workload, config.engine.max_seq_len
+  out, dropped = [], 0
+  if w.kind == 'mooncake':
+    for r in workloads.block_trace_requests(w.path, vocab_size, start=w.start, limit=None,
+                                            time_scale=w.time_scale,
+                                            length_scale=w.length_scale):
+      if len(r.prompt_ids) + r.max_new_tokens > limit:
+        dropped += 1
+        continue
+      out.append(ClusterRequest(len(out), list(r.prompt_ids), r.max_new_tokens, r.arrival_time,
+                                tenant=r.conversation_id))
+      if len(out) == w.requests:
+        break
+    return out, dropped
+  rng = np.random.default_rng(w.seed)
+  draw = lambda n: [int(t) for t in rng.integers(0, vocab_size, n)]
+  prefixes = [draw(w.prefix_tokens) for _ in range(w.tenants)]
+  t = 0.0
+  for i in range(w.requests):
+    t += float(rng.exponential(1.0 / w.rate))
+    tenant = int(rng.integers(w.tenants))
+    out.append(ClusterRequest(i, prefixes[tenant] + draw(w.question_tokens), w.output_tokens, t,
+                              tenant=tenant))
+  return out, dropped
+
+
+def replay(url: str, requests, concurrency: int, timeout_s: float) -> list:
+  """Each request streamed at its arrival time (at most `concurrency` in flight); per request:
+  status, replica, tokens, TTFT and latency from its scheduled arrival."""
+  t0 = time.monotonic() + 0.5
+  results = [None] * len(requests)
+
+  def one(i, r):
+    body = {'prompt': r.prompt_ids, 'max_tokens': r.max_new_tokens, 'temperature': 0.0,
+            'ignore_eos': True}
+    arrival = t0 + r.arrival_time
+    sent = time.monotonic()
+    status, events, first = serve_lib.post_stream(url, body, timeout_s)
+    done = time.monotonic()
+    ok = status == 200 and events and 'choices' in events[-1]
+    tokens = [t for e in events if 'choices' in e for t in e['choices'][0]['token_ids']]
+    last = events[-1] if ok else {}
+    results[i] = {
+        'request_id': r.request_id, 'status': status, 'prompt_tokens': len(r.prompt_ids),
+        'ttft_s': (sent + first - arrival) if ok and first is not None else None,
+        'latency_s': done - arrival, 'output_tokens': len(tokens), 'tokens': tokens,
+        'replica': last.get('pagedjax', {}).get('replica'),
+        'attempts': last.get('pagedjax', {}).get('attempts'),
+        'error': None if ok else str(events[-1] if events else 'no events')[:300]}
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
+    futures = []
+    for i, r in enumerate(requests):
+      wait = t0 + r.arrival_time - time.monotonic()
+      if wait > 0:
+        time.sleep(wait)
+      futures.append(pool.submit(one, i, r))
+    for f in futures:
+      f.result(timeout=timeout_s * (len(requests) + 1))  # each request is bounded by timeout_s
+  return results
+
+
+def quantile(values, q):
+  values = [v for v in values if v is not None]
+  return float(np.percentile(values, q)) if values else None
+
+
+def live_router(config, typed, tokenizer, row, requests) -> tuple:
+  s = config.serve
+  deployment = serve_lib.ServeDeployment(
+      typed, s.replicas, row, tokenizer=tokenizer, max_ongoing_requests=s.max_ongoing_requests,
+      request_timeout_s=s.request_timeout_s, start_timeout_s=s.start_timeout_s)
+  with deployment:
+    # one request shorter than a block first: Serve builds a handle's router on its first
+    # request (Ray's prefix router then creates its tree actor, seconds under load); cached
+    # nothing, so the replay starts from cold caches
+    serve_lib.post(deployment.url, {'prompt': [1, 2, 3], 'max_tokens': 1}, s.request_timeout_s)
+    t0 = time.monotonic()
+    rows = replay(deployment.url, requests, s.concurrency, s.request_timeout_s)
+    replay_s = time.monotonic() - t0
+    ok = sum(r['status'] == 200 for r in rows)
+    deadline, summaries = time.monotonic() + 30, {}
+    while time.monotonic() < deadline:  # each replica publishes its figures when it goes idle
+      summaries = deployment.replica_summaries()
+      if (len(summaries) == s.replicas and
+          sum(x['finished_requests'] for x in summaries.values()) >= ok + s.replicas + 1):
+        break
+      time.sleep(0.2)
+  hit = sum(x.get('prefix_hit_tokens', 0) for x in summaries.values())
+  queried = sum(x.get('prefix_queried_tokens', 0) for x in summaries.values())
+  per_replica = [sum(r['replica'] == uid for r in rows) for uid in summaries]
+  figures = {
+      'router': row[0], 'router_class': row[1], 'ok_requests': ok,
+      'failed_requests': len(rows) - ok,
+      'prefix_hit_rate_tokens': hit / queried if queried else None,
+      'prompt_tokens_computed': sum(x.get('prompt_tokens_computed', 0)
+                                    for x in summaries.values()),
+      'ttft_p50_s': quantile([r['ttft_s'] for r in rows], 50),
+      'ttft_p90_s': quantile([r['ttft_s'] for r in rows], 90),
+      'ttft_p99_s': quantile([r['ttft_s'] for r in rows], 99),
+      'latency_p50_s': quantile([r['latency_s'] for r in rows], 50),
+      'latency_p90_s': quantile([r['latency_s'] for r in rows], 90),
+      'imbalance_requests': (max(per_replica) / np.mean(per_replica)
+                             if per_replica and np.mean(per_replica) else None),
+      'start_s': deployment.start_s, 'replay_s': replay_s,
+      'replica_requests': per_replica,
+      'replica_summaries': {uid: {k: x.get(k) for k in (
+          'finished_requests', 'prefix_hit_rate_tokens', 'prompt_tokens_computed',
+          'prefix_cache_evictions')} for uid, x in summaries.items()}}
+  print(f"{row[0]:>12}: started in {deployment.start_s:.0f} s, {ok}/{len(rows)} answered in "
+        f"{replay_s:.1f} s", flush=True)
+  return figures, [{'router': row[0], **r} for r in rows]
+
+
+def model_shape(config) -> sizing.ModelShape:
+  m = config.model
+  if m.source == 'random':
+    r = dict(m.random)
+    r.pop('seed', None)
+    r.pop('rope_theta', None)
+    return sizing.ModelShape(name='random', **r)
+  return sizing.PRESETS['smollm2-135m']
+
+
+def simulated_router(config, row, requests) -> dict:
+  """The same requests on SimulatedCluster replicas of the same pool and model shape."""
+  from pagedjax.sim import hardware, simulated_device  # pylint: disable=import-outside-toplevel
+  typed = Config.from_configdict(config)
+  hw, shape = hardware.get_hardware(config.serve.sim_hardware), model_shape(config)
+  engines = [simulated_device.simulated_engine(shape, hw, typed)
+             for _ in range(config.serve.replicas)]
+  cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])))
+  cluster.run(requests)
+  f = cluster.figures()
+  return {'sim_prefix_hit_rate_tokens': f['prefix_hit_rate_tokens'],
+          'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
+          'sim_ttft_p90_s': f['ttft_p90_s'], 'sim_rejected': f['rejected_requests']}
+
+
+def plot(routers: list, workdir: str, title: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  labels = [r['router'] for r in routers]
+  x = np.arange(len(labels))
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  val = lambda key: [r.get(key) if r.get(key) is not None else np.nan for r in routers]
+  axes[0].bar(x - 0.2, val('prefix_hit_rate_tokens'), 0.4, label='live (Ray Serve)')
+  axes[0].bar(x + 0.2, val('sim_prefix_hit_rate_tokens'), 0.4, label='simulated cluster')
+  axes[0].set_title('prefix hit rate (prompt tokens)')
+  axes[1].bar(x - 0.2, val('ttft_p50_s'), 0.4, label='p50')
+  axes[1].bar(x + 0.2, val('ttft_p90_s'), 0.4, label='p90')
+  axes[1].set_title('TTFT, wall s from arrival (this machine, under its load)')
+  for ax in axes:
+    ax.set_xticks(x, labels, rotation=20)
+    ax.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'serve.png'), dpi=100)
+  plt.close(fig)
+
+
+def study(config, workdir: str) -> dict:
+  load_before = os.getloadavg()
+  typed = factory.typed(config)
+  tokenizer = tokenizer_for(typed)
+  vocab = (typed.model.random.vocab_size if typed.model.source == 'random' else
+           tokenizer.vocab_size)
+  requests, dropped = make_requests(config, vocab)
+  s = config.serve
+  title = (f'{s.replicas} x {typed.model.source} replicas on Ray Serve, {len(requests)} '
+           f'{config.workload.kind} requests')
+  print(f'{title} ({dropped} left out as longer than max_seq_len)', flush=True)
+  routers, rows, first = [], [], None
+  # one Ray for every router's deployment; its replicas share a compilation cache (inherited
+  # through the environment), so only the first deployment compiles
+  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(workdir, 'jit-cache'))
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  with serve_lib.ray_started():
+    live = [live_router(config, typed, tokenizer, row, requests) for row in s.routers]
+  for row, (figures, mine) in zip(s.routers, live):
+    if first is None:
+      first = {r['request_id']: r['tokens'] for r in mine}
+    for r in mine:
+      r['same_tokens_as_first'] = r['status'] == 200 and r['tokens'] == first.get(r['request_id'])
+    figures['same_tokens_as_first'] = float(np.mean([r['same_tokens_as_first'] for r in mine]))
+    if s.simulate and row[1] not in serve_lib.RAY_ROUTERS:
+      figures.update(simulated_router(config, row, requests))
+    routers.append(figures)
+    rows += mine
+  run_info.write_csv(os.path.join(workdir, 'requests.csv'), rows, REQUEST_COLUMNS)
+  run_info.write_csv(os.path.join(workdir, 'routers.csv'), routers, ROUTER_COLUMNS)
+  table = (f'{title}; TTFT and latency are wall seconds on this machine under load '
+           f'{load_before[0]:.1f}\n\n{run_info.markdown_table(routers, ROUTER_COLUMNS)}\n')
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(table)
+  print(table)
+  plot(routers, workdir, title)
+  summary = {
+      'setting': title, 'requests': len(requests), 'left_out_too_long': dropped,
+      'routers': routers, 'tokens_equal_across_routers': all(r['same_tokens_as_first']
+                                                               for r in rows),
+      'timing_note': 'wall time on this machine under its load (load_average)',
+      'load_average': {'start': load_before, 'end': os.getloadavg()},
+      **run_info.summary_fields(config)}
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  return summary
+
+
+if __name__ == '__main__':
+  cli.run_study('configs/serve.py', 'Live Ray Serve routing study config.', study, check=check)

@@ -1,0 +1,750 @@
+"""pagedjax engine replicas on Ray Serve, routed by pagedjax's routers (or Ray's own).
+
+  client --HTTP 127.0.0.1--> Serve proxy --> CompletionsIngress --handle--> EngineReplica x N
+                                              (parse, tokenize,     ^  router: a RequestRouter
+                                               retry on a dead       |  subclass in the ingress's
+                                               replica)              |  process, choose_replicas
+                                                                     |
+                                   KVEventBus (a named actor) <------+  each replica publishes
+                                   its KV events and load after every engine iteration; the
+                                   router pulls what is new before each decision
+
+  EngineReplica      one pagedjax engine (factory.build_engine) per Serve replica, driven by a
+                     thread that steps it while it has work; `complete` (whole answer) and
+                     `complete_stream` (token deltas). A request the engine refuses comes back
+                     as {'error': RequestError message}, never an exception.
+  KVEventBus         a Ray actor holding, in order, every replica's KV event batches
+                     (host/kv_events.py, vLLM's wire layout) and its latest load figures
+                     (routers.ReplicaState's fields). Why a bus: Serve's own per-replica stats
+                     channel (`record_routing_stats`) is polled by the controller every
+                     `request_routing_stats_period_s` and replaces a whole dict each time, which
+                     suits load figures but not a stream of per-iteration deltas; a named actor
+                     the replicas push to and the routers pull from is what Ray's own
+                     PrefixCacheAffinityRouter does with its prefix-tree actor.
+  PagedjaxRequestRouter  a Serve RequestRouter: any pagedjax/cluster/routers.py policy (registry
+                     name or 'module:Class') deciding over Serve's candidate replicas, with its
+                     own KVIndex kept from the bus. It ranks the pick first and the rest after
+                     (Serve tries the next rank when a replica is full). A replica that dies, or
+                     leaves the replica set, is forgotten: its blocks are cleared from the index.
+  CompletionsIngress the HTTP face: POST /v1/completions in OpenAI's shape (`prompt`,
+                     `max_tokens`, `temperature`, `top_p`, `seed`, `stream`, `model`, and
+                     vLLM's `cache_salt` and `ignore_eos`); 400 with the engine's RequestError
+                     message for a request it refuses; a request whose replica died is sent
+                     again (the router picks a live one), a stream resuming after the tokens
+                     already sent (greedy and seeded sampling give the same tokens again).
+  ServeDeployment    starts (and always stops) Ray, Serve, the bus and the application on
+                     127.0.0.1, with bounded waits.
+
+Ray's baselines: `ray_pow2` (PowerOfTwoChoicesRequestRouter, Serve's default) and `ray_prefix`
+(PrefixCacheAffinityRouter). The public import of the latter, ray.serve.llm.request_router,
+needs `ray[llm]` (pyarrow, vLLM's stack) at import time; the class itself is generic (it reads
+`.prompt` text off the request's first argument and keeps a character prefix tree per replica),
+so it is imported from where it is defined (ray.llm._internal...), which needs nothing more.
+"""
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Dict, List, Optional, Sequence as Seq
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pagedjax.cluster import routers as routers_lib
+from pagedjax.cluster.index import KVIndex
+from pagedjax.host import kv_events
+from pagedjax.host.intake import RequestError
+from pagedjax.host.sampling_params import as_params, brief
+
+BUS_NAMESPACE = 'pagedjax'
+APP_NAME = 'pagedjax'
+ROUTE = '/v1/completions'
+RAY_ROUTERS = {
+    'ray_pow2': 'ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter',
+    'ray_prefix': ('ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:'
+                   'PrefixCacheAffinityRouter'),
+}
+FINISH_REASONS = {'eos': 'stop'}  # pagedjax's reason -> OpenAI's; the rest are 'length'
+
+
+# ---- the request, as it travels from the ingress to a replica (and the router reads it) -----
+
+@dataclasses.dataclass
+class RoutedPrompt:
+  """One completion request after the ingress parsed it. `prompt` is text for routers that
+  match characters (Ray's PrefixCacheAffinityRouter reads `.prompt`); token-id prompts give
+  their ids as text."""
+  prompt_ids: object  # token ids (a list of ints) or, when not a str or list, the raw value
+  prompt: str
+  params: dict  # SamplingParams fields
+  request_id: str
+  stream: bool = False
+  model: str = ''
+
+  @property
+  def salt(self) -> Optional[str]:
+    return self.params.get('cache_salt')
+
+
+COMPLETION_FIELDS = ('prompt', 'max_tokens', 'temperature', 'top_p', 'seed', 'stream', 'model',
+                     'cache_salt', 'ignore_eos')
+
+
+def parse_completion(body, tokenizer=None) -> RoutedPrompt:
+  """An OpenAI /v1/completions body -> RoutedPrompt, or RequestError naming the field.
+
+  max_tokens (default 16, as OpenAI's) is SamplingParams.max_new_tokens; temperature (default
+  1.0), top_p, seed and cache_salt are SamplingParams' own; ignore_eos (vLLM's extension,
+  default false) is `not stop_on_eos`. The parameters are checked here by
+  the engine's own SamplingParams checks, the prompt (ids in the vocabulary, length within
+  max_seq_len) by the engine that receives it."""
+  if not isinstance(body, dict):
+    raise RequestError(f'request body {brief(body)} is not allowed: a JSON object')
+  unknown = sorted(set(body) - set(COMPLETION_FIELDS))
+  if unknown:
+    raise RequestError(f'field {unknown[0]!r} is not allowed: the fields are '
+                       f'{", ".join(COMPLETION_FIELDS)}')
+  if 'prompt' not in body:
+    raise RequestError('field prompt is missing: a string or a list of token ids')
+  stream = body.get('stream', False)
+  if not isinstance(stream, bool):
+    raise RequestError(f'stream={brief(stream)} is not allowed: true or false')
+  model = body.get('model', '')
+  if not isinstance(model, str):
+    raise RequestError(f'model={brief(model)} is not allowed: a string')
+  params = dict(max_new_tokens=body.get('max_tokens', 16),
+                temperature=body.get('temperature', 1.0), top_p=body.get('top_p', 1.0),
+                seed=body.get('seed', 0), cache_salt=body.get('cache_salt'))
+  ignore_eos = body.get('ignore_eos', False)
+  if not isinstance(ignore_eos, bool):
+    raise RequestError(f'ignore_eos={brief(ignore_eos)} is not allowed: true or false')
+  params['stop_on_eos'] = not ignore_eos
+  try:
+    as_params(params).validate()
+  except ValueError as e:  # the engine's own check, named as the request names the field
+    raise RequestError(str(e).replace('max_new_tokens=', 'max_tokens=', 1)) from None
+  prompt = body['prompt']
+  if isinstance(prompt, str) and tokenizer is not None:
+    try:
+      ids = tokenizer.encode(prompt)
+    except ValueError as e:  # text the tokenizer cannot take (a lone surrogate)
+      raise RequestError(f'prompt={brief(prompt)} is not allowed: {e}') from None
+    text = prompt
+  elif isinstance(prompt, list):
+    ids, text = prompt, ' '.join(map(str, prompt))
+  else:
+    ids, text = prompt, ''  # the engine names what is wrong with it
+  return RoutedPrompt(ids, text, params, f'cmpl-{uuid.uuid4().hex[:24]}', stream, model)
+
+
+# ---- the KV event bus --------------------------------------------------------------------------
+
+@ray.remote(num_cpus=0)
+class KVEventBus:
+  """Every replica's KV event batches in order, and its latest load figures.
+
+  publish(replica, wire_batch, state): a replica's batch (kv_events.batch_to_wire, or None) and
+  its ReplicaState fields. since(cursor) -> (next cursor, [(replica, wire batch)], {replica:
+  state}, lost): what came after `cursor`; lost is True when the bus had already dropped some
+  of it (it keeps the last `max_batches`), and the reader must then start its index over.
+  forget(replica): the replica is gone; readers get an AllBlocksCleared for it. summaries():
+  each replica's Engine.summary() as it last published it (when it last went idle)."""
+
+  def __init__(self, max_batches: int = 100_000):
+    self._log = collections.deque(maxlen=max_batches)
+    self._next = 0  # sequence number of the next batch
+    self._states: Dict[str, dict] = {}
+    self._summaries: Dict[str, dict] = {}
+
+  def publish(self, replica: str, batch: Optional[list], state: dict,
+              summary: Optional[dict] = None) -> None:
+    if batch is not None:
+      self._log.append((self._next, replica, batch))
+      self._next += 1
+    self._states[replica] = state
+    if summary is not None:
+      self._summaries[replica] = summary
+
+  def summaries(self) -> Dict[str, dict]:
+    """replica -> its Engine.summary() as last published (when it last went idle)."""
+    return dict(self._summaries)
+
+  def forget(self, replica: str) -> None:
+    if self._states.pop(replica, None) is not None:
+      self._log.append((self._next, replica, kv_events.batch_to_wire(kv_events.KVEventBatch(
+          time.time(), (kv_events.AllBlocksCleared(None),)))))
+      self._next += 1
+
+  def since(self, cursor: int) -> tuple:
+    first = self._log[0][0] if self._log else self._next
+    new = [(replica, batch) for n, replica, batch in self._log if n >= cursor]
+    return self._next, new, dict(self._states), cursor < first
+
+
+# ---- the replica --------------------------------------------------------------------------------
+
+class _Waiter:
+  """A request in flight on a replica: the loop and queue its caller waits on."""
+
+  def __init__(self, loop, stream: bool):
+    self.loop, self.stream, self.queue, self.sent = loop, stream, asyncio.Queue(), 0
+
+  def put(self, item) -> None:
+    self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineReplica:
+  """One engine per Serve replica (see the module docstring)."""
+
+  STATE_EVERY_S = 0.02  # load figures alone are published at most this often
+
+  def __init__(self, config, bus_name: str):
+    from pagedjax import factory  # pylint: disable=import-outside-toplevel  (jax: replicas only)
+    self.engine = engine = factory.build_engine(config)
+    if engine.prefix_cache is None:
+      raise ValueError('a served replica needs prefix_cache.enabled=True (the routers route by '
+                       'cached prefix)')
+    # one short request compiles the first shapes before the replica takes traffic (its prompt
+    # is shorter than a block: nothing is cached)
+    engine.generate([[1, 2, 3]], dict(max_new_tokens=2, temperature=0.0))
+    self.uid = serve.get_replica_context().replica_id.unique_id
+    self.log = kv_events.EventLog(engine.prefix_cache.events)
+    self.capacity = engine.allocator.num_blocks - 1
+    self.bus = ray.get_actor(bus_name, namespace=BUS_NAMESPACE)
+    self.waiters: Dict[int, _Waiter] = {}
+    self._last_state, self._dirty = 0.0, False
+    self._wake, self._stop = threading.Event(), threading.Event()
+    self._publish(force=True)
+    self._thread = threading.Thread(target=self._drive, name='pagedjax-engine', daemon=True)
+    self._thread.start()
+
+  # the engine's thread ---------------------------------------------------------------------
+
+  def _drive(self) -> None:
+    while not self._stop.is_set():
+      if not self.engine.has_work():
+        if self._dirty:  # gone idle: the figures of what it served so far
+          self._publish(force=True, summary=True)
+          self._dirty = False
+        self._wake.wait(0.05)
+        self._wake.clear()
+        continue
+      with self.engine.lock:  # the step and its notifications as one: no waiter misses its end
+        try:
+          done = self.engine.step()
+        except Exception as e:  # pylint: disable=broad-except  (a bug: fail what is in flight)
+          for rid in list(self.waiters):
+            self.waiters.pop(rid).put({'error': f'engine step failed: {e!r}', 'status': 500})
+          continue
+        self._notify(done)
+      self._dirty = True
+      self._publish()
+
+  def _notify(self, done) -> None:
+    for c in done:
+      waiter = self.waiters.pop(c.request_id, None)
+      if waiter is not None:
+        waiter.put(self._final(c, waiter))
+    live = self.engine.completions.live
+    for rid, waiter in self.waiters.items():
+      seq = live.get(rid)
+      if waiter.stream and seq is not None and len(seq.output_ids) > waiter.sent:
+        waiter.put({'token_ids': list(seq.output_ids[waiter.sent:])})
+        waiter.sent = len(seq.output_ids)
+
+  def _final(self, c, waiter: _Waiter) -> dict:
+    out = {'token_ids': list(c.output_ids[waiter.sent:]), 'replica': self.uid, 'done': True,
+           'finish_reason': FINISH_REASONS.get(c.finish_reason, 'length'),
+           'prompt_tokens': len(c.prompt_ids), 'completion_tokens': len(c.output_ids)}
+    if not waiter.stream:
+      out['text'] = c.text
+    return out
+
+  def state(self) -> dict:
+    """routers.ReplicaState's fields, as the engine has them now."""
+    e = self.engine
+    with e.lock:
+      waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
+      running = list(e.running)
+      return dict(
+          capacity_blocks=self.capacity, block_size=e.block_size, num_waiting=len(waiting),
+          num_running=len(running),
+          queued_prefill_tokens=(sum(len(s.prompt_ids) for s in waiting) +
+                                 sum(max(0, len(s.prompt_ids) - s.num_cached) for s in running)),
+          running_tokens=sum(s.num_cached for s in running),
+          kv_usage=e.allocator.num_used / self.capacity)
+
+  def _publish(self, force: bool = False, summary: bool = False) -> None:
+    """The KV events since the last publication and the load figures, to the bus (a call
+    nobody waits for); load figures alone at most every STATE_EVERY_S."""
+    batch = self.log.drain(time.time())
+    now = time.monotonic()
+    if batch is None and not force and now - self._last_state < self.STATE_EVERY_S:
+      return
+    self._last_state = now
+    self.bus.publish.remote(self.uid, batch and kv_events.batch_to_wire(batch), self.state(),
+                            self.summary() if summary else None)
+
+  # the requests --------------------------------------------------------------------------------
+
+  async def _submit(self, request: RoutedPrompt, stream: bool):
+    """-> (waiter, None) or (None, error dict) when the engine refuses the request."""
+    waiter = _Waiter(asyncio.get_running_loop(), stream)
+
+    def submit():
+      with self.engine.lock:
+        rid = self.engine.submit(request.prompt_ids, request.params)
+        self.waiters[rid] = waiter
+    try:
+      await asyncio.get_running_loop().run_in_executor(None, submit)
+    except RequestError as e:
+      return None, {'error': str(e), 'status': 400, 'replica': self.uid}
+    self._wake.set()
+    return waiter, None
+
+  async def complete(self, request: RoutedPrompt) -> dict:
+    """The whole completion: token_ids, text, finish_reason, counts, the replica's id; or
+    {'error', 'status'}."""
+    waiter, error = await self._submit(request, stream=False)
+    return error or await waiter.queue.get()
+
+  async def complete_stream(self, request: RoutedPrompt):
+    """Yields {'token_ids': new ids} as they are sampled, the last with 'done' and the counts;
+    or one {'error', 'status'}."""
+    waiter, error = await self._submit(request, stream=True)
+    if error:
+      yield error
+      return
+    while True:
+      item = await waiter.queue.get()
+      yield item
+      if item.get('done') or 'error' in item:
+        return
+
+  def summary(self) -> dict:
+    """The engine's figures (Engine.summary) with this replica's id."""
+    return {**self.engine.summary(), 'replica': self.uid}
+
+  def __del__(self):
+    self._stop.set()
+
+
+# ---- the router -------------------------------------------------------------------------------
+
+def route_request(pending: Optional[PendingRequest]) -> routers_lib.RouteRequest:
+  """What a pagedjax router sees of a Serve request (its first argument, a RoutedPrompt)."""
+  arg = pending.args[0] if pending is not None and pending.args else None
+  ids = getattr(arg, 'prompt_ids', None)
+  if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+    ids = []  # the engine will refuse it; any replica can say so
+  max_new = arg.params.get('max_new_tokens', 0) if isinstance(arg, RoutedPrompt) else 0
+  return routers_lib.RouteRequest(0, ids, getattr(arg, 'salt', None), max_new)
+
+
+class PagedjaxRequestRouter(RequestRouter):
+  """A pagedjax/cluster/routers.py policy as a Serve RequestRouter (see the module docstring).
+
+  request_router_kwargs: router (a registry name or 'module:Class'), router_kwargs (its keyword
+  arguments), bus (the KVEventBus actor's name), pull_timeout_s (the longest a decision waits
+  for the bus; past it, the router decides on what it already has)."""
+
+  def initialize_state(self, router: str = 'precise', router_kwargs: Optional[dict] = None,
+                       bus: str = '', pull_timeout_s: float = 0.5):
+    self.policy = routers_lib.make_router(router, **(router_kwargs or {}))
+    self.kv_index = KVIndex()
+    if getattr(self.policy, 'index', False) is None:
+      self.policy.index = self.kv_index  # routers that read the KV index read this one
+    self._bus_name, self._bus, self._pull_timeout_s = bus, None, pull_timeout_s
+    self._cursor = 0
+    self._states: Dict[str, dict] = {}
+    self._numbers: Dict[str, int] = {}  # replica unique id -> the int the policy sees
+    self.decisions, self.pull_failures = 0, 0
+
+  def _number(self, uid: str) -> int:
+    return self._numbers.setdefault(uid, len(self._numbers))
+
+  async def _pull(self) -> None:
+    try:
+      if self._bus is None:
+        self._bus = ray.get_actor(self._bus_name, namespace=BUS_NAMESPACE)
+      cursor, batches, states, lost = await asyncio.wait_for(
+          self._bus.since.remote(self._cursor), self._pull_timeout_s)
+    except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError):
+      self.pull_failures += 1  # decide on what is known; the next pull catches up
+      return
+    if lost:  # the bus dropped batches this router never read: start the index over
+      for uid in self._numbers:
+        self.kv_index.apply(self._numbers[uid], [kv_events.AllBlocksCleared(None)])
+    for uid, wire in batches:
+      self.kv_index.apply(self._number(uid), kv_events.batch_from_wire(wire))
+    self._cursor, self._states = cursor, states
+
+  def _state(self, replica: RunningReplica) -> routers_lib.ReplicaState:
+    uid = replica.replica_id.unique_id
+    state = routers_lib.ReplicaState(self._number(uid), **self._states.get(uid, {}))
+    queued = self._replica_queue_len_cache.get(replica.replica_id)
+    if queued is not None and uid not in self._states:
+      state.num_waiting = queued  # Serve's own count until the replica has published
+    return state
+
+  async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                            pending_request: Optional[PendingRequest] = None
+                            ) -> List[List[RunningReplica]]:
+    if not candidate_replicas:
+      return []
+    await self._pull()
+    states = [self._state(r) for r in candidate_replicas]
+    pick = self.policy.route(route_request(pending_request), states)
+    self.decisions += 1
+    first = next(r for r, s in zip(candidate_replicas, states) if s.index == pick)
+    return [[first], [r for r in candidate_replicas if r is not first]]
+
+  def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                        result) -> None:
+    self.policy.routed(route_request(pending_request), self._number(replica_id.unique_id))
+
+  def _forget(self, replica_id: ReplicaID) -> None:
+    uid = replica_id.unique_id
+    if uid in self._numbers:
+      self.kv_index.apply(self._numbers[uid], [kv_events.AllBlocksCleared(None)])
+    self._states.pop(uid, None)
+    if self._bus is not None:
+      self._bus.forget.remote(uid)
+
+  def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+    super().on_replica_actor_died(replica_id)
+    self._forget(replica_id)
+
+  def update_replicas(self, replicas: List[RunningReplica]) -> None:
+    before = set(self._replica_id_set)
+    super().update_replicas(replicas)
+    for replica_id in before - set(self._replica_id_set):
+      self._forget(replica_id)
+
+
+def router_config(row, bus: str) -> RequestRouterConfig:
+  """A Serve RequestRouterConfig for a router row (label, name, kwargs): name is 'ray_pow2',
+  'ray_prefix' (Ray's, kwargs to its initialize_state) or a pagedjax router."""
+  label, name, kwargs = row
+  if name in RAY_ROUTERS:
+    return RequestRouterConfig(request_router_class=RAY_ROUTERS[name],
+                               request_router_kwargs=dict(kwargs))
+  routers_lib.make_router(name, **dict(kwargs))  # a bad row fails here, named, not in Serve
+  return RequestRouterConfig(
+      request_router_class=PagedjaxRequestRouter,
+      request_router_kwargs=dict(router=name, router_kwargs=dict(kwargs), bus=bus))
+
+
+# ---- the HTTP ingress -------------------------------------------------------------------------
+
+class CompletionsIngress:
+  """POST /v1/completions (see the module docstring)."""
+
+  def __init__(self, engines, tokenizer=None, request_timeout_s: float = 120.0,
+               max_attempts: int = 3):
+    self.engines, self.tokenizer = engines, tokenizer
+    self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
+
+  async def __call__(self, request):
+    from starlette.responses import JSONResponse  # pylint: disable=import-outside-toplevel
+    if request.url.path.rstrip('/') != ROUTE or request.method != 'POST':
+      return _error(404, f'{request.method} {request.url.path} is not served: POST {ROUTE}')
+    try:
+      body = json.loads(await request.body())
+    except ValueError as e:
+      return _error(400, f'request body is not JSON: {e}')
+    try:
+      routed = parse_completion(body, self.tokenizer)
+    except RequestError as e:
+      return _error(400, str(e))
+    if routed.stream:
+      return await self._stream(routed)
+    out, attempts = None, 0
+    while out is None:
+      attempts += 1
+      try:
+        out = await asyncio.wait_for(self.engines.complete.remote(routed),
+                                     self.request_timeout_s)
+      except asyncio.TimeoutError:
+        return _error(504, f'no completion within {self.request_timeout_s} s')
+      except ray.exceptions.RayActorError as e:  # its replica died: send it again
+        if attempts >= self.max_attempts:
+          return _error(503, f'replicas died {attempts} times serving this request: {e}')
+    if 'error' in out:
+      return _error(out['status'], out['error'])
+    return JSONResponse(self._body(routed, out, out['text'], attempts))
+
+  def _body(self, routed: RoutedPrompt, out: dict, text: Optional[str], attempts: int,
+            token_ids=None) -> dict:
+    choice = {'index': 0, 'text': text, 'logprobs': None,
+              'finish_reason': out.get('finish_reason'),
+              'token_ids': out['token_ids'] if token_ids is None else token_ids}
+    body = {'id': routed.request_id, 'object': 'text_completion', 'created': int(time.time()),
+            'model': routed.model, 'choices': [choice],
+            'pagedjax': {'replica': out.get('replica'), 'attempts': attempts}}
+    if 'prompt_tokens' in out:
+      body['usage'] = {'prompt_tokens': out['prompt_tokens'],
+                       'completion_tokens': out['completion_tokens'],
+                       'total_tokens': out['prompt_tokens'] + out['completion_tokens']}
+    return body
+
+  async def _stream(self, routed: RoutedPrompt):
+    from starlette.responses import StreamingResponse  # pylint: disable=import-outside-toplevel
+    sent: List[int] = []  # token ids already sent to the client
+    attempts = [0]
+
+    async def items():
+      """The replica's deltas; after a replica died, the request again with the tokens already
+      sent skipped (the same tokens come again: greedy, or sampling from the same seed)."""
+      while True:
+        attempts[0] += 1
+        skip = len(sent)
+        gen = self.engines.options(stream=True).complete_stream.remote(routed)
+        try:
+          while True:
+            item = await asyncio.wait_for(gen.__anext__(), self.request_timeout_s)
+            ids = item.get('token_ids', [])
+            drop = min(skip, len(ids))
+            item = {**item, 'token_ids': ids[drop:]}
+            skip -= drop
+            yield item
+            if item.get('done') or 'error' in item:
+              return
+        except StopAsyncIteration:
+          return
+        except ray.exceptions.RayActorError as e:
+          if attempts[0] >= self.max_attempts:
+            yield {'error': f'replicas died {attempts[0]} times serving this request: {e}',
+                   'status': 503}
+            return
+
+    stream = items()
+    try:
+      first = await stream.__anext__()
+    except asyncio.TimeoutError:
+      return _error(504, f'no first token within {self.request_timeout_s} s')
+    if 'error' in first:
+      return _error(first['status'], first['error'])
+
+    async def events():
+      item, text = first, ''
+      try:
+        while True:
+          sent.extend(item.get('token_ids', []))
+          full = self.tokenizer.decode(sent) if self.tokenizer is not None else ''
+          delta, text = full[len(text):], full
+          if 'error' in item:  # after the stream started: the last event says so
+            yield _sse({'error': {'message': item['error'], 'code': item['status']}})
+            break
+          yield _sse(self._body(routed, item, delta, attempts[0], item['token_ids']))
+          if item.get('done'):
+            break
+          item = await stream.__anext__()
+      except (StopAsyncIteration, asyncio.TimeoutError):
+        pass
+      yield 'data: [DONE]\n\n'
+    return StreamingResponse(events(), media_type='text/event-stream')
+
+
+def _sse(data: dict) -> str:
+  return f'data: {json.dumps(data)}\n\n'
+
+
+def _error(status: int, message: str):
+  from starlette.responses import JSONResponse  # pylint: disable=import-outside-toplevel
+  kind = 'invalid_request_error' if status == 400 else 'server_error'
+  return JSONResponse({'error': {'message': message, 'type': kind, 'code': status}},
+                      status_code=status)
+
+
+# ---- starting and stopping it all -------------------------------------------------------------
+
+RAY_INIT = dict(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False,
+                log_to_driver=False, _node_ip_address='127.0.0.1')
+
+
+@contextlib.contextmanager
+def ray_started(**ray_init):
+  """Ray on this machine for the block (RAY_INIT, updated by ray_init), shut down after it;
+  an already running Ray is used and left running. Deployments started inside reuse it."""
+  if ray.is_initialized():
+    yield
+    return
+  ray.init(namespace=BUS_NAMESPACE, **{**RAY_INIT, **ray_init})
+  try:
+    yield
+  finally:
+    ray.shutdown()
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class ServeDeployment:
+  """Ray (if not running yet), Serve's HTTP proxy on 127.0.0.1:`port`, the KV event bus and the
+  application: `replicas` EngineReplicas of `config` behind router `row`, and the ingress.
+
+    with ServeDeployment(config, 2, ('precise', 'precise', {})) as d:
+      post(d.url, {'prompt': 'Hi', 'max_tokens': 4})
+
+  Ray's own footprint is kept small (RAY_INIT: 1 CPU slot, every actor 0 CPUs, a 100 MB
+  object store, no dashboard, worker logs not copied to the driver). `stop()` (also on leaving
+  the with block, and on a start that fails or times out) shuts Serve and the Ray it started
+  down."""
+
+  def __init__(self, config, replicas: int, row=('precise', 'precise', {}), *, tokenizer=None,
+               port: int = 0, max_ongoing_requests: int = 32, request_timeout_s: float = 120.0,
+               start_timeout_s: float = 300.0, ray_init: Optional[dict] = None):
+    if not isinstance(replicas, int) or replicas < 1:
+      raise ValueError(f'replicas={replicas!r} is not allowed: an integer >= 1')
+    self.config, self.replicas, self.row, self.tokenizer = config, replicas, row, tokenizer
+    self.port = port or free_port()
+    self.url = f'http://127.0.0.1:{self.port}{ROUTE}'
+    self.max_ongoing_requests, self.request_timeout_s = max_ongoing_requests, request_timeout_s
+    self.start_timeout_s = start_timeout_s
+    self.ray_init = {**RAY_INIT, **(ray_init or {})}
+    self.bus_name = f'pagedjax-kv-events-{uuid.uuid4().hex[:8]}'
+    self.bus = None
+    self._started_ray = False
+    self.start_s = None
+
+  def __enter__(self):
+    self.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop()
+
+  def start(self) -> 'ServeDeployment':
+    t0 = time.monotonic()
+    try:
+      self._start()
+    except BaseException:
+      self.stop()
+      raise
+    self.start_s = time.monotonic() - t0
+    return self
+
+  def _start(self) -> None:
+    if not ray.is_initialized():
+      ray.init(namespace=BUS_NAMESPACE, **self.ray_init)
+      self._started_ray = True
+    self.bus = KVEventBus.options(name=self.bus_name, namespace=BUS_NAMESPACE).remote()
+    serve.start(http_options={'host': '127.0.0.1', 'port': self.port},
+                logging_config={'enable_access_log': False})
+    engines = serve.deployment(EngineReplica).options(
+        name='EngineReplica', num_replicas=self.replicas, ray_actor_options={'num_cpus': 0},
+        max_ongoing_requests=self.max_ongoing_requests,
+        request_router_config=router_config(self.row, self.bus_name),
+        health_check_period_s=2, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name)
+    ingress = serve.deployment(CompletionsIngress).options(
+        name='CompletionsIngress', ray_actor_options={'num_cpus': 0},
+        max_ongoing_requests=1000).bind(engines, self.tokenizer, self.request_timeout_s)
+    from ray.serve.api import RunTarget  # pylint: disable=import-outside-toplevel
+    serve.run_many([RunTarget(ingress, name=APP_NAME, route_prefix='/')],
+                   wait_for_applications_running=False)
+    deadline = time.monotonic() + self.start_timeout_s
+    while True:
+      app = serve.status().applications.get(APP_NAME)
+      status = app.status if app is not None else 'NOT_STARTED'
+      if status == 'RUNNING':
+        return
+      if status in ('DEPLOY_FAILED', 'UNHEALTHY'):
+        raise RuntimeError(f'the Serve application failed to start ({status}): {app.message}')
+      if time.monotonic() > deadline:
+        raise TimeoutError(f'the Serve application was not running after '
+                           f'{self.start_timeout_s} s (status {status})')
+      time.sleep(0.5)
+
+  def engine_handle(self):
+    return serve.get_deployment_handle('EngineReplica', app_name=APP_NAME)
+
+  def replica_summaries(self, timeout_s: float = 30.0) -> Dict[str, dict]:
+    """replica unique id -> its Engine.summary() as it last published it (each replica
+    publishes one whenever it goes idle)."""
+    return ray.get(self.bus.summaries.remote(), timeout=timeout_s)
+
+  def replica_actors(self) -> Dict[str, object]:
+    """replica unique id -> its actor handle (Serve names replica actors
+    SERVE_REPLICA::<app>#<deployment>#<unique id>)."""
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+      name = a['name']
+      if name.startswith(f'SERVE_REPLICA::{APP_NAME}#EngineReplica#'):
+        out[name.rsplit('#', 1)[1]] = ray.get_actor(name, namespace=a['namespace'])
+    return out
+
+  def stop(self) -> None:
+    """Serve, then the bus, then Ray if this started it; each step bounded, errors ignored
+    (stopping must always finish)."""
+    try:
+      if ray.is_initialized():
+        serve.shutdown()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    if self.bus is not None:
+      try:
+        ray.kill(self.bus)
+      except Exception:  # pylint: disable=broad-except
+        pass
+      self.bus = None
+    if self._started_ray and ray.is_initialized():
+      ray.shutdown()
+    self._started_ray = False
+
+
+# ---- a small client (stdlib only) -------------------------------------------------------------
+
+def post(url: str, body: dict, timeout_s: float = 120.0) -> tuple:
+  """-> (HTTP status, JSON body) of one non-streaming request; status 0 when no HTTP answer came
+  within timeout_s."""
+  import urllib.error  # pylint: disable=import-outside-toplevel
+  import urllib.request  # pylint: disable=import-outside-toplevel
+  req = urllib.request.Request(url, json.dumps(body).encode(), method='POST',
+                               headers={'Content-Type': 'application/json'})
+  try:
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read() or b'null')
+  except OSError as e:  # refused, reset, timed out: no HTTP status
+    return 0, {'error': {'message': f'{type(e).__name__}: {e}'}}
+
+
+def post_stream(url: str, body: dict, timeout_s: float = 120.0) -> tuple:
+  """-> (HTTP status, [event dicts], seconds to the first event) of a streaming request; the
+  events are the SSE `data:` payloads before [DONE]."""
+  import urllib.error  # pylint: disable=import-outside-toplevel
+  import urllib.request  # pylint: disable=import-outside-toplevel
+  req = urllib.request.Request(url, json.dumps({**body, 'stream': True}).encode(),
+                               method='POST', headers={'Content-Type': 'application/json'})
+  t0 = time.monotonic()
+  first, events = None, []
+  try:
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+      for line in r:
+        line = line.decode().strip()
+        if not line.startswith('data: '):
+          continue
+        if first is None:
+          first = time.monotonic() - t0
+        if line == 'data: [DONE]':
+          break
+        events.append(json.loads(line[len('data: '):]))
+      return r.status, events, first
+  except urllib.error.HTTPError as e:
+    return e.code, [json.loads(e.read() or b'null')], None
+  except OSError as e:  # refused, reset, timed out (also mid-stream): no HTTP status
+    return 0, events + [{'error': {'message': f'{type(e).__name__}: {e}'}}], first

@@ -1,0 +1,114 @@
+"""pagedjax replicas on Ray Serve (pagedjax/cluster/serve.py), live on 127.0.0.1: a 2-replica
+deployment of the tiny random model behind the precise router answers OpenAI-shaped
+/v1/completions with the tokens a single engine gives, streamed or not; refused requests are
+400s with the engine's message; a repeated prompt goes where its blocks are (the router reads
+the replicas' KV events); a replica killed mid-request has its request finished on the other
+with the same tokens, and the router forgets it. One deployment for the module, always shut
+down (Ray included); every wait bounded."""
+import threading
+import time
+
+import pytest
+
+import ray  # requirements-serve.txt
+
+from configs import serve as serve_config
+from experiments import serve as serve_study
+from pagedjax import factory
+from pagedjax.cluster import serve as serve_lib
+
+TIMEOUT_S = 60.0
+PREFIX = ('In the beginning God created the heaven and the earth. And the earth was without '
+          'form, and void; and darkness was upon the face of the deep. ')
+
+
+@pytest.fixture(scope='module')
+def setup(request):
+  config = factory.typed(serve_config.get_config('tiny'))
+  tokenizer = serve_study.tokenizer_for(config)
+  deployment = serve_lib.ServeDeployment(config, 2, ('precise', 'precise', {}),
+                                         tokenizer=tokenizer, request_timeout_s=TIMEOUT_S,
+                                         start_timeout_s=240)
+  request.addfinalizer(deployment.stop)  # Serve and Ray down whatever happens below
+  deployment.start()
+  return deployment, factory.build_engine(config), tokenizer
+
+
+def reference(engine, prompt, max_tokens):
+  """A single engine's greedy tokens for the prompt, alone."""
+  done = engine.generate([prompt], dict(max_new_tokens=max_tokens, temperature=0.0,
+                                        stop_on_eos=False))
+  return done[0].output_ids
+
+
+def body(prompt, max_tokens=6, **extra):
+  return {'prompt': prompt, 'max_tokens': max_tokens, 'temperature': 0.0, 'ignore_eos': True,
+          **extra}
+
+
+def test_completions_equal_a_single_engine(setup):
+  deployment, engine, tokenizer = setup
+  prompts = [PREFIX + 'And God said', PREFIX + 'Let there be light', list(range(5, 45))]
+  for prompt in prompts:
+    status, out = serve_lib.post(deployment.url, body(prompt), TIMEOUT_S)
+    assert status == 200, out
+    choice = out['choices'][0]
+    want = reference(engine, prompt, 6)
+    assert choice['token_ids'] == want
+    assert choice['text'] == tokenizer.decode(want)
+    assert out['usage']['completion_tokens'] == 6 and choice['finish_reason'] == 'length'
+  status, events, first = serve_lib.post_stream(deployment.url, body(prompts[0]), TIMEOUT_S)
+  assert status == 200 and first is not None
+  streamed = [t for e in events for t in e['choices'][0]['token_ids']]
+  assert streamed == reference(engine, prompts[0], 6)
+  assert ''.join(e['choices'][0]['text'] for e in events) == tokenizer.decode(streamed)
+  assert events[-1]['choices'][0]['finish_reason'] == 'length'
+
+
+@pytest.mark.parametrize('fields, says', [
+    ({'max_tokens': 0}, 'max_tokens=0 is not allowed'),
+    ({'prompt': list(range(2000))}, 'max_seq_len'),
+    ({'prompt': [1, -3]}, 'out of vocabulary'),
+    ({'temperature': 'hot'}, 'temperature='),
+    ({'best_of': 2}, "field 'best_of' is not allowed"),
+    ({'stream': True, 'prompt': list(range(2000))}, 'max_seq_len'),
+])
+def test_refused_requests_are_400_with_the_engine_message(setup, fields, says):
+  deployment, _, _ = setup
+  status, out = serve_lib.post(deployment.url, {**body('Hello'), **fields}, TIMEOUT_S)
+  assert status == 400, out
+  assert says in out['error']['message'] and out['error']['type'] == 'invalid_request_error'
+
+
+def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
+  deployment, _, _ = setup
+  prompt = list(range(100, 180))  # 5 full blocks of 16
+  replicas = set()
+  for _ in range(3):
+    status, out = serve_lib.post(deployment.url, body(prompt, 2), TIMEOUT_S)
+    assert status == 200, out
+    replicas.add(out['pagedjax']['replica'])
+  assert len(replicas) == 1
+
+
+def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup):
+  deployment, engine, _ = setup
+  prompt, n = list(range(300, 340)), 300
+  result = {}
+  worker = threading.Thread(target=lambda: result.update(
+      out=serve_lib.post(deployment.url, body(prompt, n), TIMEOUT_S)))
+  worker.start()
+  victim, deadline = None, time.monotonic() + TIMEOUT_S
+  while victim is None and time.monotonic() < deadline and worker.is_alive():
+    _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
+    victim = next((uid for uid, s in states.items() if s['num_running']), None)
+    time.sleep(0.01)
+  assert victim is not None, 'the request finished before a replica could be killed'
+  ray.kill(deployment.replica_actors()[victim], no_restart=True)
+  worker.join(TIMEOUT_S)
+  status, out = result['out']
+  assert status == 200, out
+  assert out['pagedjax']['attempts'] == 2 and out['pagedjax']['replica'] != victim
+  assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
+  _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
+  assert victim not in states  # the router told the bus to forget it (and cleared its blocks)
