@@ -322,6 +322,50 @@ class TiersConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+  """KV offload for contexts longer than the device (pagedjax/host/offload.py): a long
+  sequence keeps its newest `device_blocks` blocks in the pool, its older ones live in host RAM
+  and stream through attention `chunk_blocks` at a time, every step, inside the engine's own
+  iterations (device/streamed_attention.py)."""
+  # Host-RAM blocks for offloaded K/V (checked against host RAM at engine build); 0 = off: a
+  # request that can never fit the pool is refused at submit.
+  host_blocks: int = 0
+  device_blocks: int = 16  # device blocks an offloaded sequence may hold (its newest tokens)
+  chunk_blocks: int = 8  # host blocks per streamed attention call (the last chunk padded)
+  # When a decode finds the pool out of blocks, first shrink the running sequence holding the
+  # most blocks beyond device_blocks to that many (its older blocks offloaded), and preempt
+  # only when none can be shrunk.
+  instead_of_preempting: bool = False
+
+  def validate(self, pool: PoolConfig, tiers: TiersConfig):
+    for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1)):
+      value = getattr(self, name)
+      if not _is_int(value) or value < least:
+        _fail(f'offload.{name}', value, f'an integer >= {least}')
+    if not isinstance(self.instead_of_preempting, bool):
+      _fail('offload.instead_of_preempting', self.instead_of_preempting, 'True or False')
+    if not self.host_blocks:
+      return
+    # (A window smaller than a prompt chunk's blocks only shortens that sequence's chunks.)
+    if self.device_blocks > pool.num_blocks - 1:
+      _fail('offload.device_blocks', self.device_blocks,
+            f'at most pool.num_blocks - 1 = {pool.num_blocks - 1} (the window lives in the pool)')
+    if pool.kind != 'paged':
+      _fail('offload.host_blocks', self.host_blocks, "0 unless pool.kind='paged'")
+    if pool.kv_recent_window or pool.kv_key_per_channel:
+      field = 'kv_recent_window' if pool.kv_recent_window else 'kv_key_per_channel'
+      _fail('offload.host_blocks', self.host_blocks,
+            f'0 with pool.{field} set (per-sequence lane state does not stream)')
+    if tiers.enabled:
+      _fail('offload.host_blocks', self.host_blocks,
+            '0 with lower KV tiers (tiers.host_blocks / disk_blocks): not combined yet')
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.host_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
 class AlertsConfig:
   """The windowed prefix hit rate, its alert and the throttle the alert drives
   (pagedjax/host/alerts.py): a recomputation storm seen and damped."""
@@ -372,6 +416,7 @@ class Config:
   prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
   tiers: TiersConfig = TiersConfig()
   alerts: AlertsConfig = AlertsConfig()
+  offload: OffloadConfig = OffloadConfig()
   sampling: SamplingParams = SamplingParams()
   mesh: MeshConfig = MeshConfig()
 
@@ -387,6 +432,7 @@ class Config:
     self.prefix_cache.validate()
     self.tiers.validate(self.pool, self.engine.max_seq_len, self.prefix_cache.enabled)
     self.alerts.validate(self.prefix_cache.enabled)
+    self.offload.validate(self.pool, self.tiers)
     try:
       self.sampling.validate()
     except ValueError as e:

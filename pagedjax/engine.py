@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Sequence as Seq, Union
 from pagedjax import tiering
 from pagedjax.config import Config
 from pagedjax.device.step import CompiledStep
+from pagedjax.device.streamed_attention import StreamedAttention
 from pagedjax.executor import DEVICE
 from pagedjax.host.alerts import HitRateMonitor
 from pagedjax.host.allocator import BlockAllocator
@@ -31,6 +32,7 @@ from pagedjax.host.intake import RequestError  # pylint: disable=unused-import  
 from pagedjax.host.intake import RequestIntake, prompt_list
 from pagedjax.host.lanes import Lanes
 from pagedjax.host.metrics import Metrics
+from pagedjax.host.offload import Offload
 from pagedjax.host.prefix_cache import make_prefix_cache
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.host.scheduler import Scheduler
@@ -103,6 +105,7 @@ class Engine:
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, tier=tier, timer=timer,
         stats=self.stats, decode_min_rows=eng.decode_min_rows)
     self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
+    self.offload = self._build_offload(config, model_cfg, backend)  # None: off
     cost = None  # the cost model preemption weighs (host/tier_cost.py), measured on the device
     if sched.preemption == 'auto' or sched.victim == 'cost':
       cost = (self.tiers and self.tiers.cost) or backend.preemption_cost(config.tiers,
@@ -114,11 +117,11 @@ class Engine:
         preemption=sched.preemption, victim=sched.victim, admission=sched.admission,
         admission_horizon=sched.admission_horizon, queue_order=sched.queue_order,
         host_allocator=tier and tier.allocator,
-        cost=cost)
+        cost=cost, offload=self.offload)
     self.intake = RequestIntake(
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,
         max_batch_size=eng.max_batch_size, can_share=not pool.scheme.recent_window,
-        eos_id=eos_id, tokenizer=tokenizer)
+        eos_id=eos_id, tokenizer=tokenizer, offload=self.offload)
     self.lanes = Lanes(eng.max_batch_size)
     self.beams = BeamSearch(self.scheduler, self.lanes, self.stats, self.max_seq_len)
     alerts = config.alerts  # the windowed prefix hit rate, its alert and throttle
@@ -129,6 +132,25 @@ class Engine:
     self.clock, self._timer = 0.0, timer
     self.completions = Completions(self.metrics, tokenizer)
     self.finished = self.completions.finished  # request id -> Completion
+
+  def _build_offload(self, config: Config, model_cfg: ModelConfig, backend):
+    """Offload (host/offload.py) and its streamed path on the executor, when
+    config.offload.host_blocks > 0; else None."""
+    off = config.offload
+    if not off.enabled:
+      return None
+    if backend is not DEVICE:
+      raise ValueError('config.offload.host_blocks > 0 needs the real device backend: the '
+                       'streamed path has no simulated cost yet')
+    offload = Offload(self.executor.pool.block_array_shapes(), self.block_manager,
+                      host_blocks=off.host_blocks, device_blocks=off.device_blocks,
+                      chunk_blocks=off.chunk_blocks,
+                      instead_of_preempting=off.instead_of_preempting,
+                      max_seq_len=self.max_seq_len)
+    self.executor.offload = offload
+    self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
+                                               off.chunk_blocks, self.executor.token_buckets)
+    return offload
 
   @property
   def pool(self):
@@ -324,6 +346,10 @@ class Engine:
   def _summary(self) -> dict:
     cfg = self.config
     extra = {'prefix_cache_design': cfg.prefix_cache.design} if self.prefix_cache else {}
+    if self.offload is not None:  # blocks moved to host RAM, and what streaming them moved
+      extra.update(self.offload.figures(), **{k: self.stats[k] for k in (
+          'streamed_rows', 'streamed_tokens', 'streamed_steps',
+          'streamed_bytes')})
     return self.metrics.engine_summary(
         self.stats, self.prefix_cache, pool_kind=cfg.pool.kind,
         preemption=cfg.scheduler.preemption, block_size=self.block_size,

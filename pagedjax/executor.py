@@ -2,10 +2,14 @@
 
   1. one gather of every block swapped out and every block demoted to a lower KV tier since the
      last gather (host/kv_tiers.py: evicted ones must be read before this iteration writes into
-     them), then one copy of every copy-on-write block, then one scatter of every block swapped
-     in and every block promoted from a lower tier (pagedjax/device/block_transfer.py; block
-     ids padded to power-of-two buckets with the null block);
-  2. one jitted step for the prompt chunks, then one for the decodes (one query token each);
+     them), one gather of the blocks offloaded sequences move out of their windows
+     (host/offload.py), then one copy of every copy-on-write block, then one scatter of every
+     block swapped in and every block promoted from a lower tier
+     (pagedjax/device/block_transfer.py; block ids padded to power-of-two buckets with the null
+     block);
+  2. one jitted step for the prompt chunks, then one for the decodes (one query token each),
+     then each row of an offloaded sequence (one with blocks in host RAM, host/offload.py)
+     through the streamed path (device/streamed_attention.py), one row at a time;
   3. with write-through tiers, one gather of the blocks those steps filled and the cache took.
      Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
      decode row would pay for a whole chunk of query tokens. Chunks go first, so a prompt that
@@ -27,6 +31,7 @@ from pagedjax import tiering
 from pagedjax.device import block_transfer, traces
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep
+from pagedjax.device.streamed_attention import StreamedRow
 from pagedjax.host import beam as beam_lib
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.host_tier import HostTier
@@ -35,6 +40,8 @@ from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids, po
 
 
 class PlanExecutor:
+  offload = None  # host/offload.Offload when config.offload is on (the engine sets both)
+  streamed = None  # its device programs, device/streamed_attention.StreamedAttention
 
   def __init__(self, params, pool, step_fn, blocks: BlockManager, *, vocab_size: int,
                max_batch_size: int, prefill_chunk: int, max_seq_len: int,
@@ -68,13 +75,17 @@ class PlanExecutor:
   def execute(self, plan: Plan, timing: collections.Counter) -> list:
     """Runs the plan; returns (seq, token, logits or None) for every row that sampled."""
     self._move_blocks(plan, timing)
-    chunks = [(s, n) for s, n in plan.rows if n > 1]
-    decodes = [(s, n) for s, n in plan.rows if n == 1]
+    batched = [(s, n) for s, n in plan.rows if not s.host_table]
+    chunks = [(s, n) for s, n in batched if n > 1]
+    decodes = [(s, n) for s, n in batched if n == 1]
     sampled = []
     for rows, kind in ((chunks, 'prefill'), (decodes, 'decode')):
       if rows:
         sampled += self._run(rows, kind, timing)
         self.stats[f'{kind}_steps'] += 1
+    streamed = [(s, n) for s, n in plan.rows if s.host_table]
+    if streamed:
+      sampled += self._run_streamed(streamed, timing)
     tiers = self.blocks.tiers
     if tiers is not None:
       demoted = tiers.take_demotions()  # write-through: the blocks the steps just filled
@@ -91,6 +102,8 @@ class PlanExecutor:
     if plan.swap_out or demoted:  # one gather for both (a subclass may time swaps only)
       args = (plan.swap_out, demoted) if demoted else (plan.swap_out,)
       self.stats['swapped_out_blocks'] += self._timed(timing, self._swap_out, *args)
+    if plan.offload_out:  # read before anything below writes into the blocks freed by the move
+      self._timed(timing, self._offload_out, plan.offload_out)
     # After the gather read the blocks preempted or evicted now: copy-on-write copies, and
     # blocks evicted now that a lookup found again (kv_tiers.py, tier-1 hits).
     copies = plan.copies + (tiers.take_copies() if tiers is not None else [])
@@ -119,6 +132,14 @@ class PlanExecutor:
                                       for name, a in data.items()})
       tiers.counters['demote_seconds'] += self._timer() - start
     return len(device)
+
+  def _offload_out(self, moves) -> None:
+    """Device -> host in one gather: the (device block, host block) pairs of blocks offloaded
+    sequences move out of their windows now, into the offload store."""
+    data = jax.device_get(block_transfer.gather_blocks(
+        self.pool, padded_ids([d for d, _ in moves], self.transfer_buckets)))
+    self.offload.store.store([h for _, h in moves], data)
+    self.stats['offloaded_blocks'] += len(moves)
 
   def _swap_in(self, copies, promoted=()):
     """Host -> device in one donated scatter: every (host blocks, device blocks) pair of a
@@ -183,6 +204,23 @@ class PlanExecutor:
 
     self.pool, tokens, logits, cands = self._timed(timing, call)
     return self._advance(rows, tokens, logits, cands)
+
+  def _run_streamed(self, rows, timing) -> list:
+    """Each offloaded row through the streamed path, one at a time (module docstring)."""
+    tokens, logits = [], []
+    for seq, n in rows:
+      start, p = seq.num_cached, seq.params
+      row = StreamedRow(seq.all_ids[start:start + n], start, seq.host_table, seq.block_table,
+                        p.temperature, p.top_k, p.top_p, p.seed, len(seq.output_ids))
+      self.pool, token, row_logits, streamed = self._timed(
+          timing, self.streamed.run, self.params, self.pool, self.offload.store, row)
+      tokens.append(token)
+      logits.append(row_logits)
+      self.stats['streamed_rows'] += 1
+      self.stats['streamed_tokens'] += n
+      self.stats['streamed_bytes'] += streamed
+    self.stats['streamed_steps'] += 1
+    return self._advance(rows, tokens, logits if self.record_logits else None, None)
 
   def _advance(self, rows, tokens, logits, cands) -> list:
     """Marks the fed tokens cached; beam rows hand their candidates to their group."""

@@ -1,74 +1,164 @@
-"""Contexts longer than the device window (pagedjax/long_context.py).
+"""Contexts longer than the device pool, served by the engine with KV offload
+(pagedjax/host/offload.py, pagedjax/device/streamed_attention.py).
 
-A tiny random model decodes a context 4x its device window (newest blocks on the device, older
-ones in host RAM, streamed back in chunks every step) and must give the same greedy tokens as the
-normal engine with a pool big enough for everything. Tolerance: float32, atol 1e-4 on logits
-(as tests/test_paged_decode.py: only the order of the same float32 sums differs) and 1e-5 on
-attention outputs against a float64 dense oracle.
+A tiny random model with a 4-block pool of 8 tokens (32 tokens) serves prompts of 4x and 16x
+that pool: each long sequence keeps its newest 2 blocks on the device, older ones in host RAM,
+streamed through attention 4 blocks per call (the last chunk padded), while the engine serves
+ordinary requests in the same iterations. Everything must equal an engine whose pool holds it
+all: greedy and seeded sampled tokens identical, logits within float32 tolerance (atol 1e-4, as
+tests/test_paged_decode.py: only the order of the same float32 sums differs); partial states
+within 1e-5 of a float64 dense oracle.
 """
+import collections
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kernels import contract
+from pagedjax.config import ConfigError, OffloadConfig
 from pagedjax.device import streamed_attention as sa
+from pagedjax.engine import Engine
 from pagedjax.host.intake import RequestError
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
-from tiny_models import VOCAB, make_engine, prompts, tiny
+from tiny_models import engine_config, prompts, tiny
 
 ATOL_LOGITS = 1e-4
-# 4 blocks of 8 tokens on the device; 117 prompt + 11 new tokens = 128 = 4x the window. The
-# prompt ends mid-chunk (padded prompt chunk); decode starts with 11 host blocks in chunks of 3
-# (the last one padded) and ends with 12.
-SETTINGS = LongContextSettings(block_size=8, window_blocks=4, chunk_blocks=3, prefill_chunk=16)
-PROMPT_LEN, NEW_TOKENS = 117, 11
+BLOCK, POOL_BLOCKS = 8, 4  # the device pool: 32 tokens
+POOL_TOKENS = BLOCK * POOL_BLOCKS
+OFFLOAD = OffloadConfig(host_blocks=70, device_blocks=2, chunk_blocks=8)
+
+
+def _engine(num_blocks, offload=None, **flat):
+  cfg, params, step = tiny('gqa')
+  config, _ = engine_config(cfg, block_size=BLOCK, num_blocks=num_blocks, max_batch_size=4,
+                            prefill_chunk=16, decode_min_rows=2, **flat)
+  if offload is not None:
+    config = dataclasses.replace(config, offload=offload)
+  return Engine(cfg, params, config, step_fn=step, record_logits=True)
 
 
 @pytest.fixture(scope='module')
-def decoder():
-  cfg, params, _ = tiny('gqa')
-  return LongContextDecoder(cfg, params, SETTINGS)
+def reference():
+  """An engine whose pool holds every request here (64 blocks = 512 tokens)."""
+  return _engine(65)
 
 
 @pytest.fixture(scope='module')
-def runs(decoder):
-  prompt = prompts([PROMPT_LEN], seed=3)[0]
-  engine = make_engine('gqa', num_blocks=24)  # 23 blocks of 16: the whole context fits
-  want = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS))[0]
-  got = decoder.generate(prompt, NEW_TOKENS, record_logits=True)
-  return want, got
+def offloaded():
+  return _engine(POOL_BLOCKS + 1, OFFLOAD)
 
 
-def test_greedy_tokens_match_the_engine_with_a_big_pool(runs):
-  want, got = runs
-  window_tokens = SETTINGS.window_blocks * SETTINGS.block_size
-  assert len(got.prompt_ids) + len(got.output_ids) == 4 * window_tokens
+def _solo(engine, prompt, params):
+  return engine.generate([prompt], params)[0]
+
+
+def _same(got, want):
   assert got.output_ids == want.output_ids
   np.testing.assert_allclose(np.stack(got.logits), np.stack(want.logits), atol=ATOL_LOGITS,
                              rtol=0)
-  # 127 tokens cached = 16 blocks, the newest 4 on the device.
-  assert got.host_blocks == 12
 
 
-def test_each_step_streams_every_host_block_of_every_layer(runs, decoder):
-  _, got = runs
-  cfg = decoder.cfg
-  chunk = 2 * cfg.num_layers * decoder.block_bytes * SETTINGS.chunk_blocks  # K and V
-  # Decode step i writes position 117 + i into block (117 + i) // 8, the window's newest: the
-  # host then holds the blocks before the window's 4, padded up to whole chunks of 3.
-  host = [(PROMPT_LEN + i) // SETTINGS.block_size + 1 - SETTINGS.window_blocks
-          for i in range(NEW_TOKENS - 1)]
-  assert got.step_bytes_streamed == [-(-h // SETTINGS.chunk_blocks) * chunk for h in host]
+def test_16x_the_pool_beside_an_ordinary_sampled_request(offloaded, reference):
+  # 500 + 12 = 512 tokens = 16x the pool, greedy; beside it a short top-k sampled request that
+  # runs in the batched steps of the same iterations.
+  long_prompt, short_prompt = prompts([500, 5], seed=3)
+  long_params = SamplingParams(max_new_tokens=12)
+  short_params = SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20, seed=3)
+  want = [_solo(reference, long_prompt, long_params), _solo(reference, short_prompt,
+                                                            short_params)]
+  before = dict(offloaded.stats)
+  ids = [offloaded.submit(long_prompt, long_params), offloaded.submit(short_prompt, short_params)]
+  offloaded.run()
+  for i, w in zip(ids, want):
+    _same(offloaded.finished[i], w)
+  assert len(want[0].prompt_ids) + len(want[0].output_ids) == 16 * POOL_TOKENS
+  delta = collections.Counter({k: offloaded.stats[k] - before.get(k, 0) for k in offloaded.stats})
+  # 511 tokens cached = 64 blocks, the newest 2 on the device; the short one never streamed.
+  assert offloaded.offload.counters['offloaded_blocks'] >= 62
+  assert delta['streamed_tokens'] == 511 - 2 * BLOCK
+  assert delta['prefill_steps'] + delta['decode_steps'] > 0 and delta['preemptions'] == 0
+  # Every decode step streams every host block of every layer, padded to whole chunks of 4.
+  chunk_bytes = 2 * 2 * OFFLOAD.chunk_blocks * tiny('gqa')[0].num_kv_heads * BLOCK * 12 * 4
+  assert delta['streamed_bytes'] % chunk_bytes == 0
+  # The host store holds nothing once they finish.
+  assert offloaded.offload.allocator.num_used == 0 and offloaded.offload.available == 70
 
 
-def test_a_warm_decoder_compiles_nothing(runs, decoder):
-  del runs  # the decoder has served one request
-  again = decoder.generate(prompts([40], seed=4)[0], 3)  # evicts, streams, pads: all shapes
-  assert again.compilations == 0
-  # 5 programs x 2 query lengths (a prompt chunk, one token), and the eviction.
-  assert decoder.programs.num_compilations == 11
+def test_4x_the_pool_with_parallel_samples_sharing_its_prefix(offloaded, reference):
+  # 120 + 8 = 128 tokens = 4x the pool; n=2 top-p samples fork from one offloaded prefill.
+  prompt = prompts([120], seed=5)[0]
+  params = SamplingParams(max_new_tokens=8, n=2, temperature=0.9, top_p=0.9, seed=11)
+  want = reference.generate([prompt], params)
+  streamed = offloaded.stats['streamed_tokens']
+  got = offloaded.generate([prompt], params)
+  for g, w in zip(got, want):
+    _same(g, w)
+  assert got[0].output_ids != got[1].output_ids  # two samples, not one twice
+  # The prompt was streamed once (by the leader), then each sample decoded its own tokens.
+  assert offloaded.stats['streamed_tokens'] - streamed == 120 - 2 * BLOCK + 2 * 8 - 1
+
+
+def test_a_warm_engine_compiles_nothing_more(offloaded):
+  offloaded.generate(prompts([45], seed=6), SamplingParams(max_new_tokens=3))  # warm already
+  before = offloaded.num_compilations
+  offloaded.generate(prompts([70], seed=9), SamplingParams(max_new_tokens=5, temperature=1.0))
+  assert offloaded.num_compilations == before
+
+
+def test_offload_instead_of_preempting(reference):
+  # Both fit the pool alone, not together: the one holding more blocks shrinks to its window.
+  engine = _engine(POOL_BLOCKS + 1, dataclasses.replace(OFFLOAD, instead_of_preempting=True))
+  ps = prompts([10, 6], seed=7)
+  params = [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=10)]
+  want = [_solo(reference, p, s) for p, s in zip(ps, params)]
+  ids = [engine.submit(p, s) for p, s in zip(ps, params)]
+  engine.run()
+  for i, w in zip(ids, want):
+    _same(engine.finished[i], w)
+  assert engine.stats['preemptions'] == 0
+  assert engine.offload.counters['offloaded_under_pressure'] >= 1
+
+
+def test_the_thin_decoder_reports_each_step():
+  cfg, params, step = tiny('gqa')
+  base, _ = engine_config(cfg, max_batch_size=4, decode_min_rows=2)  # shapes as above
+  decoder = LongContextDecoder(cfg, params, LongContextSettings(
+      block_size=BLOCK, pool_blocks=POOL_BLOCKS, window_blocks=2, chunk_blocks=4,
+      prefill_chunk=16), base=base, step_fn=step)
+  result = decoder.generate(prompts([60], seed=8)[0], SamplingParams(max_new_tokens=4))
+  assert len(result.output_ids) == 4 and len(result.step_seconds) == 3
+  # 60..62 cached in decode steps: blocks 0..5 on the host, then 0..5 again (63 is in block 7).
+  assert result.step_host_blocks == [6, 6, 6]
+  assert result.step_bytes_streamed == [2 * result.chunk_bytes * cfg.num_layers] * 3
+
+
+def test_refused_beyond_host_ram_and_for_beams(offloaded):
+  long_prompt = prompts([500], seed=3)[0]
+  with pytest.raises(RequestError, match=r'needs up to 71 host blocks .* for n=4 samples .* '
+                                         r'offload.host_blocks is 70: it can never fit'):
+    offloaded.submit(long_prompt, SamplingParams(max_new_tokens=12, n=4))
+  with pytest.raises(RequestError, match='beam_width=2: beam search is not served with offload'):
+    offloaded.submit(long_prompt, SamplingParams(max_new_tokens=4, beam_width=2))
+  plain = _engine(POOL_BLOCKS + 1)
+  with pytest.raises(RequestError, match=r'it can never fit \(offload.host_blocks > 0'):
+    plain.submit(long_prompt, SamplingParams(max_new_tokens=4))
+
+
+@pytest.mark.parametrize('changes,message', [
+    (dict(device_blocks=5), r'offload.device_blocks=5 is not allowed: at most pool.num_blocks'),
+    (dict(chunk_blocks=0), r'offload.chunk_blocks=0 is not allowed: an integer >= 1'),
+    (dict(host_blocks=-1), r'offload.host_blocks=-1 is not allowed'),
+    (dict(instead_of_preempting=1), r'offload.instead_of_preempting=1 is not allowed'),
+])
+def test_bad_offload_config_is_refused(changes, message):
+  cfg = tiny('gqa')[0]
+  config, _ = engine_config(cfg, block_size=BLOCK, num_blocks=POOL_BLOCKS + 1, max_batch_size=4)
+  with pytest.raises(ConfigError, match=message):
+    dataclasses.replace(config, offload=dataclasses.replace(OFFLOAD, **changes)).validate()
 
 
 def _dense_attention(q, q_pos, k, v, kv_pos):
@@ -105,7 +195,7 @@ def test_streamed_attention_matches_dense_attention():
     return kb, vb, positions
 
   # Host blocks 0..6 (28 tokens) in chunks of 3 blocks, the last padded with two empty blocks;
-  # a window ring of 3 slots holding blocks 8, 7 and 9 (36 partly filled) in shuffled slots.
+  # a window of 3 slots holding blocks 8, 7 and 9 (36 partly filled) in shuffled slots.
   pos = np.arange(48)
   chunks = [span(3, pos[0:12]), span(3, pos[12:24]), span(3, np.r_[pos[24:28], [-1] * 8])]
   window = span(3, np.r_[pos[32:36], pos[28:32], [36, -1, -1, -1]])
@@ -113,7 +203,7 @@ def test_streamed_attention_matches_dense_attention():
   def three_ways(spans):
     states = [sa.partial_state(q, q_pos, *s) for s in spans]
     forwards, backwards = states[0], states[-1]
-    for s in states[1:]:  # the decoder's order: window first, then the chunks
+    for s in states[1:]:  # the engine's order: window first, then the chunks
       forwards = sa.combine(forwards, s)
     for s in states[-2::-1]:
       backwards = sa.combine(backwards, s)
@@ -126,28 +216,3 @@ def test_streamed_attention_matches_dense_attention():
   for got in three_ways([window] + chunks):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.asarray(got)[3].any()  # the padded query sees nothing: zeros
-
-
-@pytest.mark.parametrize('changes,message', [
-    (dict(window_blocks=0), 'window_blocks=0 is not allowed: an integer >= 1'),
-    (dict(chunk_blocks=-2), 'chunk_blocks=-2 is not allowed'),
-    (dict(chunk_blocks=True), 'chunk_blocks=True is not allowed'),
-    (dict(block_size=2.5), 'block_size=2.5 is not allowed'),
-    (dict(prefill_chunk=12), 'prefill_chunk=12 is not allowed: a multiple of block_size=8'),
-    (dict(window_blocks=1), 'window_blocks=1 is not allowed .* at least 2'),
-])
-def test_bad_settings_are_refused(changes, message):
-  fields = {**dict(block_size=8, window_blocks=4, chunk_blocks=3, prefill_chunk=16), **changes}
-  with pytest.raises(ValueError, match=message):
-    LongContextSettings(**fields).validate()
-
-
-@pytest.mark.parametrize('prompt,new,message', [
-    ([], 3, 'empty prompt'),
-    ([1, VOCAB], 3, rf'token ids \[{VOCAB}\] out of vocabulary'),
-    ([1, 2], 0, 'max_new_tokens=0 is not allowed'),
-    ([1] * 500, 13, "exceed the model's max_seq_len=512"),
-])
-def test_bad_requests_are_refused(decoder, prompt, new, message):
-  with pytest.raises(RequestError, match=message):
-    decoder.generate(prompt, new)

@@ -1,8 +1,9 @@
 """Attention over a context larger than the device holds: partial softmax states, merged.
 
-A long-context decoder (pagedjax/long_context.py) keeps a sequence's newest blocks in a small
-device window and its older blocks in host RAM. Each layer's attention is then a sum over
-disjoint key spans: the window, and the host blocks streamed to the device C blocks at a time.
+An offloaded sequence (pagedjax/host/offload.py) keeps its newest blocks in the engine's pool,
+at most its window of them, and its older blocks in host RAM. Each layer's attention is then a
+sum over disjoint key spans: the window's blocks in the pool, and the host blocks streamed to
+the device C blocks at a time.
 Each span gives an unnormalised online-softmax state (m: running max, l: sum of exp, acc: sum of
 exp-weighted values), and states of disjoint spans merge exactly (`combine`): the pairwise,
 unnormalised form of the kernels' split merge (kernels/contract.merge_split_states), which lets
@@ -17,16 +18,38 @@ Layouts, one sequence (no batch axis): q [T, Hq, Dh]; K/V spans in the pool's bl
 [N, Hkv, bs, Dh] (pagedjax/device/pool.py) with positions [N, bs]; states hold the rows
 R = T * G of each KV head ordered (t, g), as contract.group_rows.
 
-`LayerPrograms` holds the jitted programs the decoder calls between host steps, each counted in
-pagedjax/device/traces.py when it compiles.
+`StreamedAttention` runs one offloaded row of an engine iteration through the model this way
+(the executor calls it beside the batched steps, pagedjax/executor.py):
+
+  embed        the row's T tokens (a prompt chunk padded to engine.prefill_chunk, or 1)
+  per layer:
+    begin      q/k/v; the new K/V written into the engine's pool at the row's slots, in the
+               pool's own scheme (donated: in place); the partial state over its window blocks
+    fold       per chunk of C host blocks: the layer's chunk put on the device, dequantized as
+               the pool would, its partial state merged into the running one (online softmax)
+    end        normalise, o_proj, residual, MLP
+  finish       final norm, logits of the last real row, and the engine's own sampler
+               (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds)
+
+The weights are the engine's: on one CPU device each layer's params are views of the stacked
+arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
+index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
+W, the chunk C and the query length T, one of the engine's two token buckets. So an engine
+compiles 10 programs here, 5 per query length, whatever the context; the layer is a traced
+argument. Every one is counted in pagedjax/device/traces.py, and engines of one model and pool
+shape share them (module-level jits, the model config and storage spec static).
 """
-from typing import NamedTuple
+import functools
+from typing import Dict, List, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels import contract
+from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
+from pagedjax.device.sampling import sample
 from pagedjax.model import llama
 
 
@@ -82,81 +105,162 @@ def normalise(state: State, num_heads: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# The decoder's jitted programs
+# One offloaded row of an engine iteration
 # ------------------------------------------------------------------------------------------------
-class StepInputs(NamedTuple):
-  """Where one step's T new tokens are and go (device arrays, the same for every layer)."""
+class RowInputs(NamedTuple):
+  """Where one row's T new tokens are and go (device arrays, the same for every layer)."""
   positions: jax.Array  # [T] int32, -1 = padding
-  blocks: jax.Array  # [T] int32: the window slot each token's K/V is written to
-  offsets: jax.Array  # [T] int32: its offset in that slot's block
-  window_positions: jax.Array  # [W + 1, bs] int32: every window slot's positions, these included
+  slots: jax.Array  # [T] int32: the pool slot each token's K/V is written to (padding: slot 0)
+  window_table: jax.Array  # [W] int32: the row's device blocks, oldest first (padding: null)
+  window_positions: jax.Array  # [W, bs] int32: their tokens' positions, new ones included
 
 
-class LayerPrograms:
-  """The model run one decoder layer per call, with attention split into spans in between:
+class StreamedRow(NamedTuple):
+  """What the executor hands over for one offloaded row (host values)."""
+  tokens: List[int]  # the tokens to feed
+  start: int  # position of the first
+  host_table: List[int]  # host blocks of logical blocks 0.. (Sequence.host_table)
+  window_table: List[int]  # device blocks of the logical blocks after them
+  temperature: float
+  top_k: int
+  top_p: float
+  seed: int
+  counter: int  # tokens generated so far (the sampler's stream position)
 
-    embed(params, tokens [T]) -> x [T, D]
-    begin_layer(lp, x, inputs, window_k, window_v, layer) -> (q, state, window_k, window_v)
-        q/k/v of the layer; the new K/V written into the window (layer-stacked
-        [L, W + 1, Hkv, bs, Dh], donated: updated in place) at (inputs.blocks, inputs.offsets);
-        the window's partial state
-    fold(state, q, positions, k_chunk, v_chunk, chunk_positions [C, bs]) -> state
-        one streamed span folded in
-    end_layer(lp, x, state) -> x      normalised attention, o_proj, residual, MLP
-    next_token(params, x, index) -> (greedy token id, logits [V]) of row `index` of x
-    window_block(window_k, window_v, slot) -> one window block of every layer (the eviction)
 
-  `lp` is one layer's params (`cut_layers`). Shapes are static per decoder (window, chunk) and
-  per query length (a prompt chunk, or 1), so a decoder compiles 11 programs: 5 per query
-  length and the eviction. (Fusing one layer's end with the next one's begin would save a call
-  per layer, but compiles begin and end twice each per query length: measured on the 2-core
-  CPU, a tiny model's first request took 13.8 s fused and 9.2 s like this, both under load ~9.5.)
-  """
+class _Slots(NamedTuple):
+  slot_mapping: jax.Array  # [1, T]: what the pool's schemes write through (KVPool.at_slots)
 
-  def __init__(self, cfg: llama.ModelConfig):
-    self.cfg = cfg
-    self.num_compilations = 0
 
-    def counted(fn, **jit_kwargs):
-      def traced(*args):
-        self.num_compilations += 1  # runs at trace time only
-        traces.record()
-        return fn(*args)
-      return jax.jit(traced, **jit_kwargs)
+def _layer(lp, layer, stacked: bool):
+  return jax.tree_util.tree_map(lambda a: a[layer], lp) if stacked else lp
 
-    self.embed = counted(lambda params, tokens: llama.embed_tokens(cfg, params, tokens))
-    self.begin_layer = counted(self._begin_layer, donate_argnums=(3, 4))
-    self.fold = counted(self._fold)
-    self.end_layer = counted(self._end_layer)
-    self.next_token = counted(self._next_token)
-    # A traced slot, so one program serves every slot.
-    self.window_block = counted(lambda k, v, slot: (k[:, slot], v[:, slot]))
 
-  def cut_layers(self, params) -> list:
-    """Every layer's own params, cut once (llama.per_layer_params: views of the stacked
-    buffers on one CPU device, no copy): slicing the stacked weights inside each layer's call
-    would copy that layer's weights on every call."""
-    split = llama.per_layer_params(params)['params']
-    return [split[f'layer_{i}'] for i in range(self.cfg.num_layers)]
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(cfg, params, tokens):
+  traces.record()  # trace time only
+  return llama.embed_tokens(cfg, params, tokens)
 
-  def _begin_layer(self, lp, x, inputs: StepInputs, window_k, window_v, layer):
-    positions = inputs.positions
-    q, k, v = llama.layer_qkv(self.cfg, lp, x[None], positions[None])
-    at = (layer, inputs.blocks, slice(None), inputs.offsets)
-    window_k = window_k.at[at].set(k[0].astype(window_k.dtype))
-    window_v = window_v.at[at].set(v[0].astype(window_v.dtype))
-    state = partial_state(q[0], positions, window_k[layer], window_v[layer],
-                          inputs.window_positions)
-    return q[0], state, window_k, window_v
 
-  @staticmethod
-  def _fold(state, q, positions, k_chunk, v_chunk, chunk_positions):
-    return combine(state, partial_state(q, positions, k_chunk, v_chunk, chunk_positions))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _begin_layer(cfg, stacked, lp, layer, x, pool, row: RowInputs):
+  traces.record()
+  q, k, v = llama.layer_qkv(cfg, _layer(lp, layer, stacked), x[None], row.positions[None])
+  pool = pool_lib.write_kv(pool, layer, k, v, _Slots(row.slots[None]))
+  window_k, window_v = pool.scheme.read_blocks(pool, layer, row.window_table)
+  state = partial_state(q[0], row.positions, window_k, window_v, row.window_positions)
+  return q[0], state, pool
 
-  def _end_layer(self, lp, x, state):
-    attn = normalise(state, self.cfg.num_heads).astype(x.dtype)
-    return llama.layer_output(self.cfg, lp, x[None], attn[None])[0]
 
-  def _next_token(self, params, x, index):
-    logits = llama.final_logits(self.cfg, params, x[index])
-    return jnp.argmax(logits).astype(jnp.int32), logits
+@functools.partial(jax.jit, static_argnums=(0,))
+def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_positions):
+  traces.record()
+  # The chunk as a one-layer pool of its C blocks, read (dequantized) by the pool's scheme.
+  blocks = pool_lib.KVPool(**{name: a[None] for name, a in chunk.items()}, spec=spec)
+  k, v = blocks.scheme.read_blocks(blocks, 0, jnp.arange(chunk_positions.shape[0]))
+  return combine(state, partial_state(q, positions, k, v, chunk_positions))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _end_layer(cfg, stacked, lp, layer, x, state):
+  traces.record()
+  attn = normalise(state, cfg.num_heads).astype(x.dtype)
+  return llama.layer_output(cfg, _layer(lp, layer, stacked), x[None], attn[None])[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _finish(cfg, params, x, index, temperature, top_k, top_p, seed, counter):
+  traces.record()
+  logits = llama.final_logits(cfg, params, x[index])
+  token = sample(logits[None], temperature[None], top_k[None], top_p[None], seed[None],
+                 counter[None])[0]
+  return token, logits
+
+
+def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
+  """(host ids [C], positions [C, bs]) of every chunk of a sequence's host blocks, in order;
+  the last chunk is padded with host block 0 at positions -1 (nothing sees them)."""
+  out = []
+  for first in range(0, len(host_table), chunk_blocks):
+    ids = np.zeros(chunk_blocks, np.int64)
+    real = host_table[first:first + chunk_blocks]
+    ids[:len(real)] = real
+    positions = np.full((chunk_blocks, block_size), -1, np.int32)
+    logical = np.arange(first, first + len(real))
+    positions[:len(real)] = logical[:, None] * block_size + np.arange(block_size)
+    out.append((ids, positions))
+  return out
+
+
+class StreamedAttention:
+  """The engine's streamed path (module docstring): `run` feeds one offloaded row."""
+
+  def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
+               chunk_blocks: int, token_buckets):
+    self.cfg, self.block_size = cfg, block_size
+    self.window_blocks, self.chunk_blocks = window_blocks, chunk_blocks
+    self.token_buckets = sorted(token_buckets)
+    self._layers = None  # (params, [per-layer params], stacked), for the params last seen
+    self._layer_ids = [np.int32(i) for i in range(cfg.num_layers)]
+
+  def layers(self, params):
+    """Each layer's params as the programs take them (module docstring: views, or stacked)."""
+    if self._layers is None or self._layers[0] is not params:
+      stacked_tree = params['params']['layers']
+      leaf = jax.tree_util.tree_leaves(stacked_tree)[0]
+      on_one_cpu = (isinstance(leaf, jax.Array) and len(leaf.devices()) == 1 and
+                    next(iter(leaf.devices())).platform == 'cpu')
+      if on_one_cpu:
+        split = llama.per_layer_params(params)['params']
+        self._layers = (params, [split[f'layer_{i}'] for i in range(self.cfg.num_layers)],
+                        False)
+      else:
+        self._layers = (params, [stacked_tree] * self.cfg.num_layers, True)
+    return self._layers[1], self._layers[2]
+
+  def row_inputs(self, row: StreamedRow) -> RowInputs:
+    """The row's positions, slots and window as numpy arrays (host arithmetic)."""
+    bs, count = self.block_size, len(row.tokens)
+    padded = next(t for t in self.token_buckets if t >= count)
+    first = len(row.host_table)  # the window's first logical block
+    positions = np.full(padded, -1, np.int32)
+    positions[:count] = np.arange(row.start, row.start + count)
+    table = np.zeros(self.window_blocks, np.int32)  # the null block pads the window
+    table[:len(row.window_table)] = row.window_table
+    slots = np.zeros(padded, np.int32)  # padded rows write into the null block's slot 0
+    real = positions[:count]
+    slots[:count] = table[real // bs - first] * bs + real % bs
+    end = row.start + count  # tokens cached once this row's K/V are written
+    window_positions = ((first + np.arange(self.window_blocks))[:, None] * bs +
+                        np.arange(bs)).astype(np.int32)
+    window_positions[len(row.window_table):] = -1
+    window_positions[window_positions >= end] = -1
+    return RowInputs(positions, slots, table, window_positions)
+
+  def run(self, params, pool, store, row: StreamedRow):
+    """Feeds one row; returns (pool, sampled token, logits [V] as numpy, host -> device bytes
+    streamed). `store` is the offload store (host/offload.OffloadStore)."""
+    cfg, count = self.cfg, len(row.tokens)
+    host = self.row_inputs(row)
+    tokens = np.zeros(len(host.positions), np.int32)
+    tokens[:count] = row.tokens
+    # The row's inputs go to the device once, not once per layer call.
+    inputs = RowInputs(*jax.device_put(tuple(host)))
+    chunks = [(ids, jax.device_put(positions))
+              for ids, positions in padded_chunks(row.host_table, self.chunk_blocks,
+                                                  self.block_size)]
+    layers, stacked = self.layers(params)
+    streamed = 0
+    x = _embed(cfg, params, tokens)
+    for layer, lp in enumerate(layers):
+      layer_id = self._layer_ids[layer]
+      q, state, pool = _begin_layer(cfg, stacked, lp, layer_id, x, pool, inputs)
+      for ids, chunk_positions in chunks:
+        data = jax.device_put(store.layer_chunk(layer, ids))
+        streamed += sum(a.nbytes for a in data.values())
+        state = _fold(pool.spec, state, q, inputs.positions, data, chunk_positions)
+      x = _end_layer(cfg, stacked, lp, layer_id, x, state)
+    token, logits = _finish(cfg, params, x, np.int32(count - 1), np.float32(row.temperature),
+                            np.int32(row.top_k), np.float32(row.top_p), np.int32(row.seed),
+                            np.int32(row.counter))
+    return pool, int(token), np.asarray(logits), streamed

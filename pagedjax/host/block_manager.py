@@ -60,8 +60,12 @@ class BlockManager:
     return math.ceil(num_tokens / self.block_size)
 
   def _short(self, seq: Sequence) -> int:
-    """Blocks seq lacks to hold all its tokens (cached and pending)."""
+    """Blocks seq lacks to hold all its tokens (cached and pending); an offloaded sequence
+    (host/offload.py) holds those not in host RAM, at most its window of them."""
     want = self.reserve_blocks if self.kind == 'contiguous' else self.blocks_for(seq.num_tokens)
+    want -= len(seq.host_table)
+    if seq.window:
+      want = min(want, seq.window)
     return max(0, want - len(seq.block_table))
 
   @property
@@ -140,7 +144,7 @@ class BlockManager:
 
   def offer_full_blocks(self, seq: Sequence) -> None:
     """Offers seq's newly filled blocks to the prefix cache (after the step that wrote them)."""
-    if self.cache is None:
+    if self.cache is None or seq.host_table:  # offloaded blocks are not offered (offload.py)
       return
     n = min(seq.num_cached // self.block_size, len(seq.block_table))
     if seq.num_offered >= n:
@@ -170,7 +174,7 @@ class BlockManager:
 
   def _needs_copy(self, seq: Sequence) -> bool:
     """The block seq writes next exists and is shared: it must be copied first."""
-    i = seq.num_cached // self.block_size
+    i = seq.num_cached // self.block_size - len(seq.host_table)
     return i < len(seq.block_table) and self.allocator.ref_count(seq.block_table[i]) > 1
 
   def can_append(self, seq: Sequence) -> bool:
@@ -184,7 +188,7 @@ class BlockManager:
     self.allocate(seq)
     if not self._needs_copy(seq):
       return None
-    i = seq.num_cached // self.block_size
+    i = seq.num_cached // self.block_size - len(seq.host_table)
     old, (new,) = seq.block_table[i], self.allocator.allocate(1)
     seq.block_table[i] = new
     self.allocator.free([old])

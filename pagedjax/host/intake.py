@@ -89,9 +89,12 @@ def _one_prompt_of_ids(value) -> bool:
 class RequestIntake:
 
   def __init__(self, blocks: BlockManager, *, vocab_size: int, max_seq_len: int,
-               max_batch_size: int, can_share: bool, eos_id: Optional[int], tokenizer=None):
-    """can_share: whether the pool lets sequences share blocks (forks, beams)."""
+               max_batch_size: int, can_share: bool, eos_id: Optional[int], tokenizer=None,
+               offload=None):
+    """can_share: whether the pool lets sequences share blocks (forks, beams). offload:
+    host/offload.py's Offload, which serves requests that can never fit the pool, or None."""
     self.blocks, self.vocab_size, self.max_seq_len = blocks, vocab_size, max_seq_len
+    self.offload = offload
     self.max_batch_size, self.can_share = max_batch_size, can_share
     self.eos_id, self.tokenizer = eos_id, tokenizer
     self.pending: list = []  # heap of (arrival_time, request_id, Sequence) not yet visible
@@ -140,12 +143,24 @@ class RequestIntake:
     copies = max(params.beam_width, 1)
     needed = copies * self.blocks.blocks_for(longest)
     if needed > self.blocks.allocator.num_blocks - 1:
+      if self.offload is not None:  # served from host RAM, or refused naming why
+        refusal = self.offload.refusal(len(prompt), params)
+        if refusal is None:
+          return params
+        raise RequestError(refusal)
       group = f' for {copies} beams' if copies > 1 else ''
       raise RequestError(
           f'request needs up to {needed} blocks of {self.blocks.block_size} tokens{group} '
           f'({longest} tokens{" each" if copies > 1 else ""}) but the pool has only '
-          f'{self.blocks.allocator.num_blocks - 1}: it can never fit')
+          f'{self.blocks.allocator.num_blocks - 1}: it can never fit (offload.host_blocks > 0 '
+          'serves such requests from host RAM)')
     return params
+
+  def _offloaded(self, prompt: List[int], params: SamplingParams) -> bool:
+    """Whether a checked request is served with offload: its blocks never fit the pool."""
+    longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
+    return (self.offload is not None and
+            self.blocks.blocks_for(longest) > self.blocks.allocator.num_blocks - 1)
 
   def checked(self, prompt, params, arrival_time, name: str = 'prompt') -> tuple:
     """(token ids, SamplingParams, arrival) of a request that passed every check."""
@@ -170,6 +185,9 @@ class RequestIntake:
                       arrival_time=arrival, status=Status.PENDING,
                       group_id=self.next_id if params.n > 1 else None)
              for i in range(params.n)]
+    if self._offloaded(prompt, params):
+      for member in group:
+        member.window = self.offload.window
     seq = group[0]
     seq.forks = group[1:]
     if params.beam_width:

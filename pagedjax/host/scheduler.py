@@ -72,6 +72,9 @@ class Plan:
   copies: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # copy-on-write
   # (shared block, private copy), made on the device after swap-out, before the steps
   forked: List[Sequence] = dataclasses.field(default_factory=list)  # samples split off now
+  # (device block, host block) of every block an offloaded sequence moves out of its window now
+  # (host/offload.py), copied out with the swap-outs, before anything is written
+  offload_out: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
   @property
   def num_prefill_tokens(self) -> int:
@@ -98,11 +101,12 @@ class Scheduler:
                prefill_chunk: int, preemption: str = 'recompute', victim: str = 'newest',
                admission: str = 'watermark', admission_horizon: int = 0,
                queue_order: str = 'fcfs', host_allocator: Optional[BlockAllocator] = None,
-               cost: Optional[CostModel] = None):
+               cost: Optional[CostModel] = None, offload=None):
     """victim, admission, queue_order: policy names or 'module:function' (policies.py).
     host_allocator: bookkeeping of the host tier's blocks (swap and auto preemption).
     cost: the cost model (preemption 'auto', victim 'cost'). admission_horizon: tokens ahead
-    that 'projected' admission looks (0 = each sequence's whole max_new_tokens)."""
+    that 'projected' admission looks (0 = each sequence's whole max_new_tokens).
+    offload: host/offload.py's Offload, which sequences with a window (Sequence.window) use."""
     if preemption not in PREEMPTION_POLICIES:
       raise ValueError(f'preemption {preemption!r} is not allowed: one of {PREEMPTION_POLICIES}')
     self._choose_victim = policies.VICTIM.get(victim)
@@ -124,6 +128,7 @@ class Scheduler:
     self.queue_order = queue_order
     self.prefill_cap: Optional[int] = None  # prompt tokens per iteration at most (a throttle)
     self.host = host_allocator
+    self.offload = offload
     self.waiting: List[Sequence] = []
     self.running: List[Sequence] = []
     self.swapped: List[Sequence] = []
@@ -139,6 +144,8 @@ class Scheduler:
     self.running.remove(seq)
     self.blocks.end_turn(seq, now)
     self.blocks.deallocate(seq)
+    if seq.window:
+      self.offload.release(seq)
 
   def fork_running(self, parent: Sequence, child: Sequence) -> None:
     """A beam kept more than once (beam.py): child shares parent's blocks and runs beside it.
@@ -179,6 +186,8 @@ class Scheduler:
       if seq.forks and seq.num_pending == 1:
         for child in seq.forks:
           self.blocks.fork(seq, child)
+          if seq.window:
+            self.offload.fork(seq, child)
           child.status = Status.RUNNING
           _insert(self.running, child)
           plan.forked.append(child)
@@ -188,7 +197,11 @@ class Scheduler:
     for seq in list(self.running):
       if seq.status is not Status.RUNNING or seq.num_pending != 1:
         continue  # preempted a moment ago, or mid-prompt (its blocks came at admission)
+      if seq.window:  # offloaded: its window's oldest block moves out when a new one is due
+        self.offload.make_room(seq, seq.num_tokens, plan)
       while not self.blocks.can_append(seq):
+        if self.offload is not None and self.offload.relieve(self.running, plan):
+          continue  # a long sequence shrank to its window instead of anyone being preempted
         self._preempt(self._victim(), plan)
         if seq.status is not Status.RUNNING:
           break
@@ -235,11 +248,14 @@ class Scheduler:
       unit = self._head_unit(self.waiting)
       if self._rows_used() + sum(s.width for s in unit) > self.max_batch_size:
         break
-      if not self._fits(unit, waiting=True) or not self._admits(self, unit):
+      if not self._fits(unit, waiting=True) or not self._admits(self, unit) or (
+          unit[0].window and not self.offload.can_reserve(unit[0])):
         plan.memory_blocked = True
         break
       for seq in unit:
         self.waiting.remove(seq)
+        if seq.window:
+          self.offload.reserve(seq)
         self.blocks.admit(seq)
         seq.status = Status.RUNNING
         _insert(self.running, seq)
@@ -249,6 +265,15 @@ class Scheduler:
     """Adds seq's next prompt chunk (none for a leader whose forks are due); returns its size.
     A non-leader with one pending token goes as a one-token row, like a decode."""
     n = min(seq.num_to_prefill if seq.forks else seq.num_pending, self.prefill_chunk, budget)
+    if n > 0 and seq.window:
+      # An offloaded prompt holds only its window: a chunk is at most what the window holds
+      # once its written blocks are out; older blocks move out, then the chunk's new ones come
+      # (none free while others hold the blocks moved out: the chunk waits).
+      n = min(n, self.offload.chunk_room(seq))
+      self.offload.make_room(seq, seq.num_cached + n, plan)
+      if not self.blocks.can_allocate(seq, watermark=False):
+        return 0
+      self.blocks.allocate(seq)
     if n > 0:
       plan.rows.append((seq, n))
     return n
@@ -266,7 +291,8 @@ class Scheduler:
     """Whether preempting unit swaps it (the policy, the host tier's room and, for 'auto', the
     cost model) rather than recomputing it."""
     n = self._swap_blocks(unit)
-    if self.preemption == 'recompute' or not self.host.can_allocate(n):
+    if self.preemption == 'recompute' or any(s.window for s in unit) or (
+        not self.host.can_allocate(n)):  # an offloaded sequence is recomputed, never swapped
       return False
     return self.preemption == 'swap' or self.cost.swap_s(n) < self.cost.recompute_tokens_s(
         sum(s.num_cached for s in unit))
@@ -317,6 +343,8 @@ class Scheduler:
       if seq in queue:
         queue.remove(seq)
     self.blocks.deallocate(seq)
+    if seq.window:
+      self.offload.release(seq)
     if seq.host_blocks:
       self.host.free(seq.host_blocks)
       seq.host_blocks = []
@@ -332,6 +360,8 @@ class Scheduler:
       plan.preempted.append((seq, 'swap'))
       return
     self.blocks.deallocate(seq)
+    if seq.window:
+      self.offload.release(seq, plan)
     seq.num_cached = 0  # prompt and generated tokens are prefilled again on readmission
     self.add(seq)
     plan.preempted.append((seq, 'recompute'))

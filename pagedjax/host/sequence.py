@@ -23,6 +23,11 @@ class Sequence:
   output_ids: List[int] = dataclasses.field(default_factory=list)
   block_table: List[int] = dataclasses.field(default_factory=list)
   host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
+  # Offload (host/offload.py): the host-RAM blocks of this sequence's leading logical blocks, in
+  # order; block_table then holds the logical blocks after them. window: the most device blocks
+  # it may hold (0 = no limit).
+  host_table: List[int] = dataclasses.field(default_factory=list)
+  window: int = 0
   num_cached: int = 0  # leading tokens whose K/V are in the pool (or, swapped, in the host tier)
   max_cached: int = 0  # the most num_cached has been: positions below it fed again after a
   # recompute preemption are recomputed work (executor.py counts them)

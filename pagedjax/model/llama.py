@@ -84,8 +84,7 @@ def write_and_attend(pool, layer, q, k, v, positions, batch, impl: str,
   reads only its own heads of the same blocks, in place, with no communication.
   """
   def local(pool, layer, q, k, v, positions, batch):
-    pool = pool_lib.write_kv(pool, layer, k, v, batch)
-    return pool_lib.attend(pool, layer, q, positions, batch, impl), pool
+    return pool_lib.write_and_attend(pool, layer, q, k, v, positions, batch, impl)
 
   if mesh is None:
     return local(pool, layer, q, k, v, positions, batch)
@@ -259,7 +258,7 @@ def forward_dense(cfg: ModelConfig, params, tokens):
 
 
 # ------------------------------------------------------------------------------------------------
-# One layer at a time (pagedjax/long_context.py): the same modules and the same params tree as
+# One layer at a time (device/streamed_attention.py): the same modules and the same params tree as
 # Llama, applied piece by piece, so a caller can run attention its own way between the pieces.
 # ------------------------------------------------------------------------------------------------
 def embed_tokens(cfg: ModelConfig, params, tokens):

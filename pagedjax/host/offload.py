@@ -1,0 +1,212 @@
+"""Offload: one more placement a block can have, for contexts longer than the device.
+
+A sequence served with offload (`seq.window` = W > 0, config.offload.device_blocks) holds at
+most W device blocks: its newest logical blocks. Its older blocks live in host RAM, in logical
+order (`seq.host_table`: host block i holds positions [i * bs, (i + 1) * bs)), and stream
+through attention every step, C blocks per call (device/streamed_attention.py), inside the
+engine's own iterations while its other requests run in the batched steps. Before a step would
+write past the window, `make_room` moves the window's oldest blocks out: it lists (device
+block, host block) pairs in `Plan.offload_out`, and the executor copies them out in one gather
+before the iteration writes anything (as it does swap-outs), so the device block is free for
+anyone from the moment it is planned. Only fully written blocks move: a prompt chunk is cut to
+what the window holds from the first block not fully written on (`chunk_room`), so any W >= 1
+works; a window smaller than a chunk's blocks just makes that prompt's chunks shorter.
+
+Which sequences are offloaded (the policy, config.offload):
+  at submit       a request whose blocks can never all fit the pool (host/intake.py) is served
+                  with a window instead of refused, up to what the host store holds
+                  (`refusal`: a RequestError beyond that).
+  under pressure  with `instead_of_preempting`, a decode that finds the pool out of blocks
+                  first shrinks the running sequence holding the most blocks beyond W to its
+                  newest W (`relieve`), and preempts only when none can be shrunk.
+A sequence with a window but no host block yet (a long prompt's first W blocks) runs in the
+batched steps like any other; it moves to the streamed path with its first host block.
+
+Host room. The store holds `host_blocks` blocks (HostTier: the pool's per-block arrays, so
+codes and scales exactly as the device stores them). A sequence reserves, at admission, the
+host blocks it can come to need: its longest length's blocks beyond W, plus, for each parallel
+sample it will fork, the blocks of max_new_tokens and one (a fork shares the leader's host
+blocks; each block its window moves out after the fork is its own). Admission waits for room,
+so a running sequence never finds the store full.
+
+Sharing. Forks share their leader's host blocks (ref counts) and device blocks (the block
+manager's copy-on-write). Prefix caching: hits at admission are used (those beyond W move out
+at the first step), and blocks that fill while a sequence has no host block yet are offered to
+the cache as usual; once a sequence has host blocks, its later blocks are not offered (both
+cache designs index a sequence's blocks from its first one, which is then in host RAM), and
+host blocks themselves are never shared between requests.
+Preemption: an offloaded sequence is never swapped; recompute frees its host blocks and, back
+in the queue, it is offloaded again on readmission.
+"""
+import collections
+import math
+from typing import Dict, Optional, Sequence as Seq
+
+import numpy as np
+
+from pagedjax.host.host_tier import HostTier
+from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.sequence import Sequence
+
+
+class OffloadStore(HostTier):
+  """The host-RAM blocks of offloaded sequences (a HostTier sized by offload.host_blocks)."""
+
+  def __init__(self, block_array_shapes, num_blocks: int):
+    super().__init__(block_array_shapes, num_blocks, field='offload.host_blocks')
+
+  def layer_chunk(self, layer: int, host_ids: np.ndarray) -> Dict[str, np.ndarray]:
+    """Field name -> [len(host_ids), ...]: one layer's arrays of these host blocks (a copy;
+    host block 0, never handed out, pads a short chunk)."""
+    return {name: array[layer, host_ids] for name, array in self._store.items()}
+
+
+class Offload:
+  """The offload policy and its bookkeeping (module docstring). `blocks` is the engine's
+  BlockManager: device blocks moved out are freed through its allocator."""
+
+  def __init__(self, block_array_shapes, blocks, *, host_blocks: int, device_blocks: int,
+               chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int):
+    self.store = OffloadStore(block_array_shapes, host_blocks)
+    self.allocator = self.store.allocator  # host block ids and ref counts
+    self.blocks, self.block_size = blocks, blocks.block_size
+    self.capacity, self.window, self.chunk_blocks = host_blocks, device_blocks, chunk_blocks
+    self.instead_of_preempting, self.max_seq_len = instead_of_preempting, max_seq_len
+    self._owed: Dict[int, int] = {}  # request id -> host blocks reserved, not yet taken
+    self.counters = collections.Counter()
+
+  # ---- what a request needs --------------------------------------------------------------
+
+  def _longest(self, prompt_len: int, params: SamplingParams) -> int:
+    return min(prompt_len + params.max_new_tokens, self.max_seq_len)
+
+  def host_need(self, prompt_len: int, params: SamplingParams) -> int:
+    """Host blocks a request of this prompt length can come to hold, its forks included."""
+    own = max(0, math.ceil(self._longest(prompt_len, params) / self.block_size) - self.window)
+    return own + (params.n - 1) * self._fork_need(params)
+
+  def _fork_need(self, params: SamplingParams) -> int:
+    return math.ceil(params.max_new_tokens / self.block_size) + 1
+
+  def refusal(self, prompt_len: int, params: SamplingParams) -> Optional[str]:
+    """Why a request that can never fit the pool cannot be offloaded either, or None."""
+    if params.beam_width:
+      return (f'beam_width={params.beam_width}: beam search is not served with offload, and '
+              f'this request ({self._longest(prompt_len, params)} tokens) can never fit the '
+              'device pool')
+    need = self.host_need(prompt_len, params)
+    if need > self.capacity:
+      samples = f' for n={params.n} samples' if params.n > 1 else ''
+      return (f'request needs up to {need} host blocks of {self.block_size} tokens{samples} '
+              f'beyond the {self.window} it keeps on the device (offload.device_blocks; '
+              f'{self._longest(prompt_len, params)} tokens), but offload.host_blocks is '
+              f'{self.capacity}: it can never fit')
+    return None
+
+  # ---- reservations ----------------------------------------------------------------------
+
+  @property
+  def available(self) -> int:
+    """Host blocks neither held nor reserved."""
+    return self.allocator.num_free - sum(self._owed.values())
+
+  def _need_now(self, seq: Sequence) -> int:
+    own = max(0, self.blocks.blocks_for(
+        self._longest(len(seq.prompt_ids), seq.params)) - seq.window)
+    return own + len(seq.forks) * self._fork_need(seq.params)
+
+  def can_reserve(self, seq: Sequence) -> bool:
+    return self._need_now(seq) <= self.available
+
+  def reserve(self, seq: Sequence) -> None:
+    """seq, admitted now, reserves the host blocks it (and its pending forks) can come to need."""
+    self._owed[seq.request_id] = self._need_now(seq)
+
+  def fork(self, parent: Sequence, child: Sequence) -> None:
+    """child (a parallel sample, just forked by the block manager) shares parent's host blocks
+    and takes its share of parent's reservation."""
+    for b in parent.host_table:
+      self.allocator.share(b)
+    child.host_table, child.window = list(parent.host_table), parent.window
+    share = min(self._fork_need(parent.params), self._owed.get(parent.request_id, 0))
+    self._owed[parent.request_id] = self._owed.get(parent.request_id, 0) - share
+    self._owed[child.request_id] = share
+
+  def release(self, seq: Sequence, plan=None) -> None:
+    """seq finished or was preempted: its host blocks and reservation go. With the plan of
+    this iteration, moves into blocks freed now are dropped (nothing will read them)."""
+    self.allocator.free(seq.host_table)
+    seq.host_table = []
+    self._owed.pop(seq.request_id, None)
+    if plan is not None and plan.offload_out:
+      plan.offload_out = [(d, h) for d, h in plan.offload_out if self.allocator.ref_count(h)]
+
+  # ---- moving blocks out -----------------------------------------------------------------
+
+  def chunk_room(self, seq: Sequence) -> int:
+    """Tokens seq's next step may feed: what its window holds from its first block not fully
+    written on (all older blocks can move out)."""
+    bs = self.block_size
+    return (seq.num_cached // bs + seq.window) * bs - seq.num_cached
+
+  def make_room(self, seq: Sequence, num_tokens: int, plan) -> None:
+    """Moves seq's oldest device blocks to host RAM until the blocks holding its first
+    num_tokens tokens, the ones not on the host, fit its window."""
+    bs = self.block_size
+    last = (num_tokens - 1) // bs  # logical block of the last token written
+    have = len(seq.host_table) + len(seq.block_table)  # logical blocks placed so far
+    excess = len(seq.block_table) + max(0, last + 1 - have) - seq.window
+    for _ in range(excess):
+      self._move_out(seq, plan)
+
+  def _move_out(self, seq: Sequence, plan) -> None:
+    logical = len(seq.host_table)
+    if logical >= seq.num_cached // self.block_size:  # config validation rules this out
+      raise RuntimeError(f'request {seq.request_id}: block {logical} is not fully written yet '
+                         f'({seq.num_cached} tokens cached) and cannot move out of a window '
+                         f'of {seq.window} blocks')
+    if not self.allocator.num_free:  # reservations rule this out
+      raise RuntimeError(f'offload store full ({self.capacity} blocks) moving request '
+                         f'{seq.request_id}\'s block {logical}')
+    (host,) = self.allocator.allocate(1)
+    owed = self._owed.get(seq.request_id, 0)
+    if owed:
+      self._owed[seq.request_id] = owed - 1
+    device = seq.block_table.pop(0)
+    seq.host_table.append(host)
+    # The caches index a sequence's blocks from its first: no more offers (module docstring).
+    seq.num_offered = 0
+    plan.offload_out.append((device, host))
+    self.blocks.allocator.free([device])  # copied out before this iteration writes anything
+    self.counters['offloaded_blocks'] += 1
+
+  def relieve(self, running: Seq[Sequence], plan) -> bool:
+    """instead_of_preempting: the decoding sequence that would hold the most device blocks
+    beyond the window once its next token has a slot becomes offloaded, its window the newest
+    W of them, if its host blocks can be reserved; False when none can be (the caller
+    preempts then)."""
+    if not self.instead_of_preempting:
+      return False
+
+    def device_blocks(s):  # what it holds, and the block its pending token may still need
+      return max(len(s.block_table), self.blocks.blocks_for(s.num_tokens))
+
+    candidates = [s for s in running if device_blocks(s) > self.window and not s.window
+                  and s.num_pending == 1 and not s.forks and s.beam is None]
+    for seq in sorted(candidates, key=device_blocks, reverse=True):
+      seq.window = self.window
+      if not self.can_reserve(seq):
+        seq.window = 0
+        continue
+      self.reserve(seq)
+      self.make_room(seq, seq.num_tokens, plan)
+      self.counters['offloaded_under_pressure'] += 1
+      return True
+    return False
+
+  def figures(self) -> dict:
+    """The engine summary's offload figures."""
+    return {'offload_host_blocks': self.capacity, 'offload_device_blocks': self.window,
+            'offload_chunk_blocks': self.chunk_blocks,
+            'offload_host_blocks_used': self.allocator.num_used, **self.counters}
+
