@@ -48,7 +48,9 @@ class Sequence:
 
   @property
   def order(self):
-    """FCFS priority: earlier arrivals first; preemption takes the last."""
+    """FCFS priority: earlier arrivals first; preemption takes the last. The running and swapped
+    queues keep this order; the waiting queue keeps the queue-order policy's (scheduler.queue_order,
+    host/policies.py; 'fcfs' is this key)."""
     return (self.arrival_time, self.request_id)
 
   @property
