@@ -305,7 +305,7 @@ class DiskStore:
     `calibrated_on` (and figures()) says which."""
     slots = [self.index.slot(k) for k in self.index.keys()][:num_blocks]
     if slots:
-      self.calibrated_on = f'{len(slots)} records of the store'
+      self.calibrated_on = f'{len(slots)} record{"s" * (len(slots) > 1)} of the store'
       return _time_reads(self._blocks, slots, self.record_nbytes)
     memory = kvstore_spec(self.url).to_json()['driver'] == 'memory'
     with tempfile.TemporaryDirectory(prefix='pagedjax-kv-calibration-') as tmp:
