@@ -36,7 +36,8 @@ from pagedjax.host import beam as beam_lib
 from pagedjax.host.block_manager import BlockManager
 from pagedjax.host.host_tier import HostTier
 from pagedjax.host.scheduler import Plan
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids, power_of_two_buckets
+from pagedjax.host.step_inputs import (RowSpec, bucket, build_step_inputs, padded_ids,
+                                       power_of_two_buckets)
 
 
 class PlanExecutor:
@@ -71,6 +72,10 @@ class PlanExecutor:
     max_table_width = math.ceil(max_seq_len / block_size)
     self.table_width_buckets = power_of_two_buckets(
         max_table_width, min(math.ceil(256 / block_size), max_table_width))
+    # KIVI pools keep a sequence's partial last block unquantized in its lane, not in the block
+    # (device/kv_schemes.py): a sequence swapped out takes that tail with it (Sequence.kv_tail).
+    # A simulated device's pool holds no arrays.
+    self.swaps_tails = isinstance(pool, pool_lib.KVPool) and pool.scheme.keeps_tails
 
   def execute(self, plan: Plan, timing: collections.Counter) -> list:
     """Runs the plan; returns (seq, token, logits or None) for every row that sampled."""
@@ -99,6 +104,8 @@ class PlanExecutor:
   def _move_blocks(self, plan: Plan, timing) -> None:
     tiers = self.blocks.tiers
     demoted = tiers.take_demotions() if tiers is not None else []
+    if plan.swap_out and self.swaps_tails:
+      self._stash_tails(plan)
     if plan.swap_out or demoted:  # one gather for both (a subclass may time swaps only)
       args = (plan.swap_out, demoted) if demoted else (plan.swap_out,)
       self.stats['swapped_out_blocks'] += self._timed(timing, self._swap_out, *args)
@@ -160,6 +167,40 @@ class PlanExecutor:
       self.blocks.tiers.counters['promote_seconds'] += self._timer() - start
     return pool
 
+  def _stash_tails(self, plan: Plan) -> None:
+    """Each sequence swapped out now whose last block is partial takes that block's key tail
+    to the host (one gather, before anything this iteration writes)."""
+    tails = {}  # device block -> sequence
+    for seq, policy in plan.preempted:
+      if policy == 'swap' and seq.kv_tail is None and seq.num_cached % self.block_size:
+        device = next(src for src, dst in plan.swap_out if dst == seq.host_blocks)
+        tails[device[-1]] = seq
+    if tails:
+      data = jax.device_get(block_transfer.gather_tails(
+          self.pool, padded_ids(list(tails), self.transfer_buckets)))
+      for i, seq in enumerate(tails.values()):
+        seq.kv_tail = (seq.num_cached, data[:, i])
+
+  def _restore_tails(self, rows) -> None:
+    """Rows back from swap put their key tails into their new lanes, before their first step."""
+    back = []
+    for seq, _ in rows:
+      if seq.kv_tail is not None:
+        cached_then, tail = seq.kv_tail
+        seq.kv_tail = None
+        if cached_then == seq.num_cached:  # else it was recomputed since: nothing to put back
+          back.append((seq, tail))
+    if not back:
+      return
+    n = bucket(len(back), self.batch_buckets)
+    lanes, blocks = np.zeros(n, np.int32), np.zeros(n, np.int32)  # padding: null lane and block
+    tails = np.zeros((n,) + back[0][1].shape, back[0][1].dtype)
+    for i, (seq, tail) in enumerate(back):
+      lanes[i], tails[i] = seq.lane, tail
+      blocks[i] = seq.block_table[seq.num_cached // self.block_size]
+    self.pool = jax.block_until_ready(
+        block_transfer.restore_tails(self.pool, lanes, blocks, np.moveaxis(tails, 0, 1)))
+
   def _copy(self, copies):
     src, dst = zip(*copies)
     pool = block_transfer.copy_blocks(self.pool, padded_ids(src, self.transfer_buckets),
@@ -171,6 +212,8 @@ class PlanExecutor:
   def _run(self, rows, kind: str, timing) -> list:
     """One jitted call over rows of (seq, tokens to feed); returns (seq, token, logits) for the
     rows whose prompt or decode token is now fully cached, i.e. that sample."""
+    if self.swaps_tails:
+      self._timed(timing, self._restore_tails, rows)
     built = self._timer()
     specs = []
     for seq, n in rows:

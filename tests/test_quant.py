@@ -4,7 +4,9 @@ One table, SCHEMES, drives the per-scheme checks: the pool's arrays and bytes, a
 write/read round trip through the pool (what attention reads, and that attention really reads
 it), and an engine run against the dense no-cache forward pass. A new format adds one entry.
 Around it: exact bounds of the codecs on random data, exact int4 packing, KIVI's per-channel keys
-(better on outlier channels, incremental writes close to one-shot), and spec validation."""
+(better on outlier channels, quantized once per full block), and spec validation. That what a
+pool stores and reads does not depend on the path that wrote it is checked here per scheme;
+tests/test_scheme_identity.py checks the engine's greedy tokens over schemes and policies."""
 import dataclasses
 import functools
 
@@ -95,11 +97,32 @@ def test_pool_bytes_count_scales():
   assert bf16 * 2 == f32
   assert int8 == bf16 // 2 + 2 * 30 * 100 * 3 * 16 * 2  # + one float16 scale per token-head
   assert int4 == bf16 // 4 + 2 * 2 * 30 * 100 * 3 * 16 * 2 * 2  # + scale, zero per 32 channels
-  # KIVI keys: a scale and zero point per channel per block instead of per token and group.
-  assert kivi == int4 - 2 * 30 * 100 * 3 * 16 * 2 * 2 + 2 * 30 * 100 * 3 * 64 * 2
+  # KIVI keys: a scale and zero point per channel per block instead of per token and group,
+  # an int32 copy-on-write source per block and KV head, and per lane (only the null lane here)
+  # a bfloat16 tail of one block's keys and its int32 block tag, per layer and KV head.
+  per_block = 2 * 30 * 100 * 3 * 64 * 2 + 100 * 3 * 4
+  per_lane = 30 * 3 * (16 * 64 * 2 + 4)
+  assert kivi == int4 - 2 * 30 * 100 * 3 * 16 * 2 * 2 + per_block + per_lane
+  assert pool_lib.pool_bytes(*dims, KVQuantConfig('int4', group_size=32, key_per_channel=True),
+                             max_sequences=4) == kivi + 4 * per_lane
   assert window == int8 + 2 * 30 * 5 * 3 * 8 * 64 * 2  # bfloat16 rings, lanes 0..4
   small = pool_lib.init_pool(2, 5, 3, 16, 64, kv_quant=KVQuantConfig('int4'))
   assert small.nbytes == pool_lib.pool_bytes(2, 5, 3, 16, 64, KVQuantConfig('int4'))
+
+
+@each_scheme
+def test_bytes_per_token_and_per_lane_add_up_to_the_pool(name):
+  """KVScheme.bytes_per_token (every per-block array over block_size) and bytes_per_lane (the
+  fixed per-sequence arrays) account for every byte of the pool, and KVPool agrees."""
+  spec = SCHEMES[name].spec
+  dims = (2, 5, 3, 8, HEAD_DIM)
+  scheme = pool_lib.init_pool(*dims, kv_quant=spec, max_sequences=2).scheme
+  per_token = scheme.bytes_per_token(2, 3, 8, HEAD_DIM)
+  per_lane = scheme.bytes_per_lane(2, 3, 8, HEAD_DIM)
+  assert pool_lib.pool_bytes(*dims, spec, max_sequences=2) == 5 * 8 * per_token + 3 * per_lane
+  pool = pool_lib.init_pool(*dims, kv_quant=spec, max_sequences=2)
+  assert pool.bytes_per_token == per_token
+  assert (per_lane > 0) == bool(spec.recent_window or spec.key_per_channel)
 
 
 # ---- the table: chunked writes, reads, and attention over what is read ----------------------
@@ -110,28 +133,43 @@ TABLE = [5, 2, 7, 1, 8]  # physical blocks out of order
 
 @jax.jit
 def _write_attend_read(pool, k, v, q, inputs):
-  """One step on layer 0: write, attend, and what attention reads (jitted once per scheme and
-  shape for the whole file)."""
-  pool = pool_lib.write_kv(pool, 0, k, v, inputs)
-  out = pool_lib.attend(pool, 0, q, inputs.positions, inputs, 'reference')
-  return (pool, out) + pool.scheme.read(pool, 0, inputs)
+  """One step on layer 0: attention's output (pool.write_and_attend), the pool after the write,
+  and what each query reads: keys and values [B, T, S, H, D] over the row's slots (a scheme
+  with a per-query view reads some slots unquantized; jitted once per scheme and shape for
+  the whole file)."""
+  out, written = pool_lib.write_and_attend(pool, 0, q, k, v, inputs.positions, inputs,
+                                           'reference')
+  scheme = pool.scheme
+  if scheme.per_query_view:
+    _, (k_lo, v_lo, k_hi, v_hi) = scheme.write_view(pool, 0, k, v, inputs)
+    key_hi, value_hi = scheme.recent_masks(inputs.positions, k_lo.shape[1], BLOCK)
+  else:
+    flat = lambda x: jnp.swapaxes(x, 2, 3).reshape(x.shape[0], -1, HEADS, HEAD_DIM)
+    k_lo, v_lo = (flat(x) for x in scheme.read(written, 0, inputs))
+    k_hi, v_hi = k_lo, v_lo
+    key_hi = value_hi = jnp.zeros(inputs.positions.shape + k_lo.shape[1:2], bool)
+  pick = lambda mask, hi, lo: jnp.where(mask[..., None, None], hi[:, None], lo[:, None])
+  return written, out, pick(key_hi, k_hi, k_lo), pick(value_hi, v_hi, v_lo)
 
 
 def _attention(q, k, v, positions):
-  """float64 causal attention of q [T, Hq, D] at `positions` over k, v [S, H, D]."""
+  """float64 causal attention of q [T, Hq, D] at `positions`, query t over its own k[t], v[t]
+  [S, H, D]."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  k, v = (np.repeat(x, Q_HEADS // HEADS, axis=1) for x in (k, v))
-  scores = np.einsum('thd,shd->hts', q, k) / np.sqrt(q.shape[-1])
-  scores = np.where(np.arange(len(k)) <= positions[:, None], scores, -np.inf)
+  k, v = (np.repeat(x, Q_HEADS // HEADS, axis=2) for x in (k, v))
+  scores = np.einsum('thd,tshd->hts', q, k) / np.sqrt(q.shape[-1])
+  scores = np.where(np.arange(k.shape[1]) <= positions[:, None], scores, -np.inf)
   probs = np.exp(scores - scores.max(-1, keepdims=True))
-  return np.einsum('hts,shd->thd', probs / probs.sum(-1, keepdims=True), v)
+  return np.einsum('hts,tshd->thd', probs / probs.sum(-1, keepdims=True), v)
 
 
 def _pool_round_trip(spec, chunks, seed=0):
   """Write `sum(chunks)` tokens of one sequence chunk by chunk, checking after every chunk that
   attention equals attention over what the scheme reads. Every chunk is padded to 16 tokens (one
-  program per scheme; the engine test below runs single-token steps). Returns (written keys,
-  values; what attention reads for them; what the blocks hold for them), each [tokens, H, D]."""
+  program per scheme; the engine test below runs single-token steps). Returns a dict: the
+  written keys and values, what the newest query reads for them (seen_k, seen_v), what the
+  blocks hold for the tokens of the full blocks (held_k, held_v), each [tokens, H, D]; the
+  attention output of every query (out [tokens, Hq, D]), and the pool."""
   pool = pool_lib.init_pool(1, 9, HEADS, BLOCK, HEAD_DIM, kv_quant=spec, max_sequences=1)
   total = sum(chunks)
   rng = np.random.default_rng(seed)
@@ -140,49 +178,82 @@ def _pool_round_trip(spec, chunks, seed=0):
   values = rng.normal(size=(total, HEADS, HEAD_DIM)).astype(np.float32)
   queries = rng.normal(size=(total, Q_HEADS, HEAD_DIM)).astype(np.float32)
   dense = lambda x: np.swapaxes(np.asarray(x[0]), 1, 2).reshape(-1, HEADS, HEAD_DIM)
-  start = 0
+  start, outs = 0, []
   for n in chunks:
     inputs = build_step_inputs([RowSpec(list(range(n)), start, TABLE, lane=1)], BLOCK, [1],
                                [16], [8])
     pad = lambda x: np.pad(x[start:start + n], ((0, 16 - n), (0, 0), (0, 0)))[None]
     pool, out, seen_k, seen_v = _write_attend_read(pool, pad(keys), pad(values), pad(queries),
                                                    inputs)
-    seen_k, seen_v = dense(seen_k)[:start + n], dense(seen_v)[:start + n]
+    seen_k, seen_v = (np.asarray(x[0, :n, :start + n]) for x in (seen_k, seen_v))
     want = _attention(queries[start:start + n], seen_k, seen_v, np.arange(start, start + n))
     np.testing.assert_allclose(out[0, :n], want, atol=1e-5, rtol=1e-5)
+    outs.append(np.asarray(out[0, :n]))
     start += n
   held_k, held_v = pool_lib.dequantize_blocks(pool, 0, np.asarray(TABLE)[None])
-  return keys, values, seen_k, seen_v, dense(held_k)[:total], dense(held_v)[:total]
+  full = total // BLOCK * BLOCK
+  return dict(keys=keys, values=values, seen_k=seen_k[-1], seen_v=seen_v[-1],
+              held_k=dense(held_k)[:full], held_v=dense(held_v)[:full],
+              out=np.concatenate(outs), pool=pool)
 
 
 @each_scheme
 def test_pool_round_trip(name):
   case = SCHEMES[name]
   # Prefill 11 tokens, then decode 6 one at a time: blocks of 8 are filled across steps.
-  keys, values, seen_k, seen_v, held_k, held_v = _pool_round_trip(case.spec,
-                                                                  [11, 1, 1, 1, 1, 1, 1])
-  for got in (seen_k, held_k):
-    assert rel_err(got, keys) <= case.read_tol
-  for got in (seen_v, held_v):
-    assert rel_err(got, values) <= case.read_tol
+  r = _pool_round_trip(case.spec, [11, 1, 1, 1, 1, 1, 1])
+  keys, values, seen_k, seen_v, held_k, held_v = (
+      r[name] for name in ('keys', 'values', 'seen_k', 'seen_v', 'held_k', 'held_v'))
+  full = len(held_k)
+  for got, want in ((seen_k, keys), (held_k, keys[:full]), (seen_v, values),
+                    (held_v, values[:full])):
+    assert rel_err(got, want) <= case.read_tol
   window = case.spec.recent_window
+  bf16 = lambda x: x.astype(jnp.bfloat16).astype(np.float32)
   if window:  # the newest tokens are read from the bfloat16 rings, the rest from the blocks
-    bf16 = lambda x: x[-window:].astype(jnp.bfloat16).astype(np.float32)
-    np.testing.assert_array_equal(seen_k[-window:], bf16(keys))
-    np.testing.assert_array_equal(seen_v[-window:], bf16(values))
-    np.testing.assert_array_equal(seen_k[:-window], held_k[:-window])
+    np.testing.assert_array_equal(seen_k[-window:], bf16(keys[-window:]))
+    np.testing.assert_array_equal(seen_v[-window:], bf16(values[-window:]))
+    np.testing.assert_array_equal(seen_k[:-window], held_k[:len(keys) - window])
   else:
-    np.testing.assert_array_equal(seen_k, held_k)
-    np.testing.assert_array_equal(seen_v, held_v)
+    np.testing.assert_array_equal(seen_k[:full], held_k)
+    np.testing.assert_array_equal(seen_v[:full], held_v)
+  if case.spec.key_per_channel and not window:  # its own (partial) block's keys: bfloat16
+    np.testing.assert_array_equal(seen_k[full:], bf16(keys[full:]))
 
 
-def test_kivi_incremental_writes_match_one_shot_quantization():
-  """Requantizing a block as tokens arrive stays within a small factor of quantizing the
-  finished block once (each growth of a channel's range rounds the older codes again)."""
-  spec = SCHEMES['int4_kivi'].spec
-  keys, *_, incremental, _ = _pool_round_trip(spec, [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
-  *_, one_shot, _ = _pool_round_trip(spec, [15])
-  assert rms_err(incremental, keys) <= 2.0 * rms_err(one_shot, keys)
+# The same 17 tokens written by different paths: a prefill chunk and a decode, chunks ending
+# mid-block, a prefill followed by single-token decodes.
+WRITE_PATHS = ([16, 1], [3, 6, 8], [11, 1, 1, 1, 1, 1, 1])
+
+
+@each_scheme
+def test_what_is_stored_and_read_does_not_depend_on_the_write_path(name):
+  """A full block's arrays are a function of its tokens alone, and so is what attention reads
+  for every token, the partial last block's included: greedy tokens cannot change under
+  preemption (recompute writes a prefix as one chunk), prefix caching or forks because of how
+  the pool was written. (KIVI keys used to be requantized as a block filled, so its codes
+  depended on the path.)"""
+  runs = [_pool_round_trip(SCHEMES[name].spec, chunks) for chunks in WRITE_PATHS]
+  first = runs[0]
+  full_blocks = TABLE[:len(first['held_k']) // BLOCK]
+  for run, chunks in zip(runs[1:], WRITE_PATHS[1:]):
+    for field, x in first['pool'].block_arrays().items():
+      np.testing.assert_array_equal(np.asarray(getattr(run['pool'], field))[:, full_blocks],
+                                    np.asarray(x)[:, full_blocks], err_msg=f'{field} {chunks}')
+    for what in ('seen_k', 'seen_v'):
+      np.testing.assert_array_equal(run[what], first[what], err_msg=f'{what} {chunks}')
+    # Every query's attention output, whichever step held it (float noise only: the same
+    # query sits at another row of the padded chunk).
+    np.testing.assert_allclose(run['out'], first['out'], atol=1e-6, rtol=0, err_msg=str(chunks))
+
+
+def test_kivi_keys_are_quantized_once_per_full_block():
+  """A full block's KIVI keys are exactly the per-channel quantization of its tokens' bfloat16
+  keys (the tail keeps them unquantized until the block is full)."""
+  r = _pool_round_trip(SCHEMES['int4_kivi'].spec, [3, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+  bf16 = r['keys'][:BLOCK].astype(jnp.bfloat16).astype(np.float32)  # [bs, H, D]
+  once = _int4_channels(np.swapaxes(bf16, 0, 1), np.ones((HEADS, BLOCK), bool))
+  np.testing.assert_array_equal(r['held_k'][:BLOCK], np.swapaxes(np.asarray(once), 0, 1))
 
 
 # ---- the table: the engine against the dense forward ----------------------------------------

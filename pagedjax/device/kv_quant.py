@@ -7,7 +7,7 @@ Pure jnp functions over plain arrays, with no knowledge of the pool: the storage
                       float16, codes x / s rounded and clipped (integer codes) or cast (float8)
   int4 groups         asymmetric: scale and zero point per group of `group_size` channels of a
                       vector, 4-bit codes packed two per byte
-  int4 channels       asymmetric per channel over the vectors of a block (KIVI keys)
+  int4 channels       asymmetric per channel over the vectors of a full block (KIVI keys)
 Scales and zero points are float16.
 """
 import jax.numpy as jnp
@@ -87,11 +87,13 @@ def dequantize_int4_groups(packed, scale, zero):
   return out.reshape(codes.shape)
 
 
-def quantize_int4_channels(x, valid):
-  """KIVI keys. x [..., S, D] (S tokens of a block), valid [..., S] bool: one scale and zero
-  per channel over the valid tokens -> (packed [..., S, D/2], scale [..., D], zero [..., D]).
-  Invalid slots (past the sequence's length) do not widen the range and are stored as code 0."""
+def quantize_int4_channels(x, valid=None):
+  """KIVI keys. x [..., S, D] (S tokens of a block), valid [..., S] bool (None: all): one scale
+  and zero per channel over the valid tokens -> (packed [..., S, D/2], scale [..., D],
+  zero [..., D]). Invalid slots do not widen the range and are stored as code 0."""
   x = x.astype(jnp.float32)
+  if valid is None:
+    valid = jnp.ones(x.shape[:-1], bool)
   mask = valid[..., None]
   lo = jnp.min(jnp.where(mask, x, jnp.inf), axis=-2, keepdims=True)
   hi = jnp.max(jnp.where(mask, x, -jnp.inf), axis=-2, keepdims=True)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels import contract as kernel_contract
 from kernels import paged_attention
 from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
@@ -31,7 +32,7 @@ from pagedjax.model import sharding
 
 # Block 0 is the null block (above). The host side names it too (pagedjax.host.allocator, which
 # must not import device code); tests/test_layers.py checks that the two agree.
-NULL_BLOCK = 0
+NULL_BLOCK = kv_schemes.NULL_BLOCK
 
 
 BLOCK_FIELDS = ('k', 'v', 'k_scale', 'v_scale', 'k_zero', 'v_zero')
@@ -49,6 +50,10 @@ class KVPool:
   v_zero: Optional[jnp.ndarray] = None
   recent_k: Optional[jnp.ndarray] = None  # [layers, lanes, kv_heads, recent_window, head_dim]
   recent_v: Optional[jnp.ndarray] = None  # bfloat16 rings; only with a recent window
+  k_tail: Optional[jnp.ndarray] = None  # KIVI keys: [layers, lanes, kv_heads, block_size,
+  # head_dim] bfloat16 keys of each lane's partial last block, not yet quantized
+  k_tail_block: Optional[jnp.ndarray] = None  # [layers, lanes, kv_heads] int32: its block
+  k_tail_src: Optional[jnp.ndarray] = None  # [1, blocks, kv_heads] int32: copy-on-write source
   spec: KVQuantConfig = flax.struct.field(pytree_node=False, default=KVQuantConfig())
 
   @property
@@ -57,8 +62,9 @@ class KVPool:
     return kv_schemes.scheme_for(self.spec)
 
   def block_arrays(self) -> dict:
-    """Field name -> array for every per-block array (block axis 1): what block copies and
-    tier transfers move. The recent-window rings are per lane, not per block."""
+    """Field name -> array for every per-block array of K/V contents (block axis 1): what
+    block copies and tier transfers move. Per-lane arrays (rings, KIVI tails) are not per block,
+    and KIVI's copy-on-write sources (k_tail_src) are bookkeeping its copy_blocks keeps."""
     return {name: getattr(self, name) for name in BLOCK_FIELDS if getattr(self, name) is not None}
 
   def block_array_shapes(self) -> dict:
@@ -75,17 +81,16 @@ class KVPool:
 
   @property
   def nbytes(self) -> int:
-    """True bytes held, scales, zero points and recent-window rings included."""
-    arrays = (self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero,
-              self.recent_k, self.recent_v)
-    return sum(a.nbytes for a in arrays if a is not None)
+    """True bytes held: scales, zero points, rings, tails and bookkeeping included."""
+    return sum(a.nbytes for a in jax.tree_util.tree_leaves(self))
 
   @property
   def bytes_per_token(self) -> float:
-    """K and V bytes one block slot takes, over all layers (scales included; the fixed-size
-    recent-window rings are not per token and are excluded here, but counted in nbytes)."""
-    rings = sum(a.nbytes for a in (self.recent_k, self.recent_v) if a is not None)
-    return (self.nbytes - rings) / (self.num_blocks * self.block_size)
+    """Bytes one block slot takes, over all layers (scales included; the fixed-size per-lane
+    arrays, `KVScheme.lane_fields`, are not per token and are excluded here, but counted in
+    nbytes)."""
+    lanes = sum(getattr(self, name).nbytes for name in self.scheme.lane_fields)
+    return (self.nbytes - lanes) / (self.num_blocks * self.block_size)
 
   # ---- paging geometry, for the schemes' writes ----
 
@@ -126,14 +131,17 @@ def init_pool(num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=
               kv_quant: Optional[KVQuantConfig] = None, max_sequences: int = 0) -> KVPool:
   """An all-zero pool. `kv_quant` picks the storage; without it, plain `dtype` storage.
 
-  With a recent window, `max_sequences` rings are made (lanes 1..max_sequences; lane 0 is the
-  null lane that padded rows write into, like the null block).
+  Schemes with per-lane state (a recent window's rings, KIVI key tails) get `max_sequences`
+  lanes (1..max_sequences; lane 0 is the null lane that padded rows write into, like the null
+  block).
   """
   if kv_quant is None:
     kv_quant = KVQuantConfig(jnp.dtype(dtype).name)
   kv_quant.validate(head_dim)
-  if kv_quant.recent_window and max_sequences < 1:
-    raise ValueError(f'a recent window needs max_sequences >= 1 lanes, got {max_sequences}')
+  scheme = kv_schemes.scheme_for(kv_quant)
+  if scheme.lane_fields and max_sequences < 1:
+    raise ValueError(f'max_sequences={max_sequences} is not allowed: this storage keeps '
+                     f'per-sequence lanes ({", ".join(scheme.lane_fields)}), so at least 1')
   shapes = _shapes(num_layers, num_blocks, num_kv_heads, block_size, head_dim, kv_quant,
                    max_sequences)
   return KVPool(**{name: jnp.zeros(shape, dt) for name, (shape, dt) in shapes.items()},
@@ -167,6 +175,50 @@ def write_kv(pool: KVPool, layer, k, v, batch) -> KVPool:
   (pagedjax/host/step_inputs.py).
   """
   return pool.scheme.write(pool, layer, k, v, batch)
+
+
+def write_and_attend(pool: KVPool, layer, q, k, v, positions, batch, impl: str):
+  """write_kv, then attend: (attention output, pool). What a query reads must not depend on
+  what else its step holds (a decode vs one prefill chunk after a recompute), so schemes that
+  keep some of a query's newest tokens unquantized (`KVScheme.per_query_view`: KIVI keys keep
+  the query's own block, a recent window its newest tokens) are read per query: view_attention
+  over the stored blocks and their unquantized copies. Other schemes read one view per row and
+  go to the kernels (attend)."""
+  scheme = pool.scheme
+  if not scheme.per_query_view:
+    pool = write_kv(pool, layer, k, v, batch)
+    return attend(pool, layer, q, positions, batch, impl), pool
+  pool, (k_lo, v_lo, k_hi, v_hi) = scheme.write_view(pool, layer, k, v, batch)
+  key_hi, value_hi = scheme.recent_masks(positions, k_lo.shape[1], pool.block_size)
+  return view_attention(q, k_lo, v_lo, k_hi, v_hi, key_hi, value_hi, positions,
+                        batch.context_lens), pool
+
+
+def view_attention(q, k_lo, v_lo, k_hi, v_hi, key_hi, value_hi, positions, context_lens):
+  """Causal attention of q [B, T, Hq, D] where query t reads slot s [0, S) from k_hi where
+  key_hi[b, t, s], else from k_lo (v_hi, v_lo likewise); K/V [B, S, H, D] float32, masks
+  [B, T, S]. Masking as the reference kernel's (kernels/reference.py): nothing past a query's
+  position or its row's context reaches it, NaN included."""
+  batch, num_q, num_heads, head_dim = q.shape
+  num_kv_heads, num_slots = k_lo.shape[2], k_lo.shape[1]
+  qg = q.astype(jnp.float32).reshape(batch, num_q, num_kv_heads, num_heads // num_kv_heads,
+                                     head_dim)
+  scale = kernel_contract.softmax_scale(None, head_dim)
+  score = lambda keys: jnp.einsum('btkgd,bskd->bkgts', qg, keys) * scale
+  seen = kernel_contract.tokens_seen(positions, context_lens)  # [B, T]
+  visible = (jnp.arange(num_slots)[None, None, :] < seen[:, :, None])[:, None, None]
+  scores = jnp.where(key_hi[:, None, None], score(k_hi), score(k_lo))
+  scores = jnp.where(visible, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  probs = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
+  denom = jnp.sum(probs, axis=-1, keepdims=True)
+  probs = probs / jnp.where(denom > 0, denom, 1.0)
+  in_context = (jnp.arange(num_slots)[None, :] < context_lens[:, None])[:, :, None, None]
+  v_lo, v_hi = (jnp.where(in_context, x, 0.0) for x in (v_lo, v_hi))
+  out = (jnp.einsum('bkgts,bskd->btkgd', probs, v_lo) +
+         jnp.einsum('bkgts,bskd->btkgd', probs * value_hi[:, None, None], v_hi - v_lo))
+  return out.reshape(batch, num_q, num_heads, head_dim).astype(q.dtype)
 
 
 def dequantize_blocks(pool: KVPool, layer, tables):

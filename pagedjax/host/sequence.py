@@ -23,6 +23,8 @@ class Sequence:
   output_ids: List[int] = dataclasses.field(default_factory=list)
   block_table: List[int] = dataclasses.field(default_factory=list)
   host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
+  kv_tail: Optional[tuple] = None  # swapped from a KIVI pool: (num_cached, host copy of its
+  # partial last block's unquantized keys), put back in its lane before it runs (executor.py)
   # Offload (host/offload.py): the host-RAM blocks of this sequence's leading logical blocks, in
   # order; block_table then holds the logical blocks after them. window: the most device blocks
   # it may hold (0 = no limit).
