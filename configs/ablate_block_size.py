@@ -13,7 +13,7 @@ attention kernel and the building of one call's inputs timed at one context acro
 block sizes, with their per-block costs fitted (config.block_overhead;
 experiments/block_overhead.py). The plot's first row is the benefits of small blocks, its second
 their costs.
-`:tiny` is the seconds-long variant (two block sizes) the tests run.
+`:tiny` is the smoke-size variant (two block sizes, the tiny trace) the tests run.
 """
 import ml_collections
 

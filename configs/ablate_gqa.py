@@ -7,6 +7,7 @@ A random model with SmolLM2-135M's shape (30 layers, d_model 576, 9 query heads 
 head count is what varies): KV bytes per token, sequences of the longest context that fit the
 pool budget, and warm decode step time (experiments/kv_quality.py:gqa). Weights are random, so
 no quality figures: with trained weights, fewer KV heads is a quality trade made at training.
+`:tiny` is the same sweep on a 2-layer, d_model 64 model (KV heads 4, 2, 1) at short contexts.
 """
 from configs import ablate_kv_quant, default
 

@@ -7,7 +7,8 @@ Each point stores the pool as one kv_dtype (int4 with its options) and scores KJ
 in prefill chunks (experiments/kv_quality.py): perplexity at each context length against the same
 run with a bfloat16 pool, top-1 agreement, logit error by position, KV bytes per token (scales
 included), sequences of the longest context that fit `eval.pool_budget_mb`, decode tokens/s.
-`:tiny` runs the same pipeline on a tiny random model in seconds.
+`:tiny` runs the same pipeline on a tiny random model at three points (bfloat16, int8, and int4
+with groups of 8, per-channel keys and a recent window): no quality figures.
 """
 import ml_collections
 

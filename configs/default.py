@@ -3,7 +3,7 @@
   python -m experiments.decode --config=configs/default.py --workdir=runs/default
   python -m experiments.decode --config=configs/default.py:tiny --workdir=runs/tiny
 
-`:tiny` swaps in a small random Llama (same tokenizer) that runs in seconds. Any field can be
+`:tiny` swaps in a small random Llama (same tokenizer): a smoke run of the same job. Any field can be
 overridden on the command line, e.g. `--config.pool.block_size=32`; the fields, their
 defaults and what they mean are the dataclasses of pagedjax/config.py.
 """

@@ -23,7 +23,8 @@ Traces (`policies.traces`, built by pagedjax.workloads with byte tokens of KJV t
 The device pool of every row but `unlimited` holds `device_share` of the trace's working set
 (its distinct full prompt blocks; at least one longest request plus a block per batch row), the
 host tier `host_share` of it, the disk tier `disk_share`.
-`:tiny` is a seconds-long smoke run of the same pipeline.
+`:tiny` is a smoke-size run of the same pipeline (a 2-layer model, short traces, one repeat); its
+figures are not the study's.
 """
 import ml_collections
 

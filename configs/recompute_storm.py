@@ -16,8 +16,8 @@ arrivals at `rate`, system prompt v1 before `switch_time_s` and v2 from then on,
 user messages. Windows of the TTFT figures, by arrival time: steady state
 [steady_start_s, switch - prewarm_lead_s), across the switch [switch - prewarm_lead_s,
 switch + after_switch_s) (the pre-warm's own cost falls in it).
-`:tiny` is a smoke run of the same pipeline: a 1-layer random Llama, 16 requests, one run per row
-(about 10 s from the command line, most of it compiling; under load).
+`:tiny` is a smoke-size run of the same pipeline: a 1-layer random Llama, 16 requests, one run per
+row; its figures are not the study's.
 """
 import ml_collections
 

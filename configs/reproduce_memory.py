@@ -6,8 +6,8 @@
 Both points replay the same trace (ShareGPT-like lengths, every request at t=0) through the same
 tiny random Llama (configs/default.py:tiny shape, byte vocabulary), scheduler and kernels, in a
 pool of the same size: BUDGET_SEQS * MAX_SEQ_LEN token slots, room for BUDGET_SEQS contiguous
-reservations. They differ only in pool.kind. `:tiny` is a seconds-long smoke run of the same
-pipeline.
+reservations. They differ only in pool.kind. `:tiny` is a smoke-size run of the same
+pipeline (1-layer model, 12 requests); its figures are not the study's.
 """
 import ml_collections
 

@@ -13,7 +13,7 @@ Two studies with one tiny random Llama (configs/reproduce_memory.py's shape, byt
                      `beam_widths`); KV memory saved by the beams' shared blocks. `:tiny`
                      leaves it out (beam_widths=[]) so its smoke run stays as it was;
                      `:tiny_beam` is `:tiny` with it.
-`:tiny` is a seconds-long smoke run of the same pipeline.
+`:tiny` is a smoke-size run of the same pipeline; its figures are not the study's.
 """
 import ml_collections
 

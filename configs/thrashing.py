@@ -29,7 +29,8 @@ through every row of `thrashing.rows`, each a set of dotted overrides of this co
 The cost model's figures are measured once per run (the first Part B engine) and fixed in
 config.tiers for every row, so rows differ only in policy. Every figure is the median of
 `repeats` runs (run round-robin over the rows, so every row sees the same stretch of machine
-load). `:tiny` is a seconds-long smoke run of the same pipeline.
+load). `:tiny` is a smoke-size run of the same pipeline (one pool, two rates, five rows, 10 requests); its
+figures are not the study's.
 """
 import ml_collections
 

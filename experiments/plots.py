@@ -37,7 +37,7 @@ FIELDS = {
     'generated_tokens_per_s': ('throughput', 'generated tokens/s'),
     'mean_concurrent_sequences': ('running sequences, mean', 'sequences'),
     'normalized_latency_s': ('normalized latency (end-to-end / output tokens)', 's/token'),
-    'kv_bytes_per_token': ('KV bytes per token (scales included)', 'B/token'),
+    'kv_bytes_per_token': ('KV bytes per token, scales included', 'B/token'),
     'requests_fit_at_max_seq_len': ('requests of max_seq_len that fit', 'requests'),
     'max_concurrent_sequences': ('longest-context sequences that fit the budget', 'sequences'),
     'decode_step_ms': ('warm decode step', 'ms'),
@@ -124,6 +124,19 @@ def plain_ticks(ax, values, axis_name: str = 'x') -> None:
   target.set_major_locator(ticker.FixedLocator(values))
   target.set_major_formatter(ticker.FixedFormatter([f'{v:g}' for v in values]))
   target.set_minor_locator(ticker.NullLocator())
+
+
+def log_x(ax, values) -> None:
+  """A log x axis where `values` span a decade or more, labelled with plain numbers (300, not
+  3x10^2); a linear one from 0 otherwise (a decade has no major log tick to label)."""
+  import matplotlib.ticker as ticker  # pylint: disable=import-outside-toplevel
+  values = [v for v in values if v is not None]
+  if values and min(values) > 0 and max(values) / min(values) >= 10:
+    ax.set_xscale('log')
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:.4g}'))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+  else:
+    ax.set_xlim(left=0, right=1.05 * max(values, default=1))
 
 
 def log_y(ax, values) -> None:

@@ -219,6 +219,22 @@ def table_columns(config, points) -> list:
   return columns
 
 
+def series_fields(rows: List[dict], spec, swept) -> list:
+  """The swept fields that name a plot's series: those whose value differs between points,
+  except x and, when x is swept, the fields each x value fixes (the block-size sweep's
+  num_blocks); spec.group first. With x a measured figure (bytes per token), every differing
+  swept field names its points."""
+  order = [spec.group] if spec.get('group') else []
+  order += [f for f in swept if f not in order]
+  return [f for f in plots.varying(rows, order) if f != spec.x and not (
+      x_is_swept(rows, spec.x, swept) and plots.determined_by(rows, f, spec.x))]
+
+
+def x_is_swept(rows: List[dict], x: str, swept) -> bool:
+  """Whether x is a swept field, or a figure repeating one (the GQA sweep's num_kv_heads)."""
+  return x in swept or any(_duplicates(rows, field, x) for field in swept)
+
+
 def plot(path: str, rows: List[dict], spec, title: str = 'sweep', swept=()) -> None:
   """One panel per figure in spec.y against spec.x (a spec.y of lists: one row of panels per
   list, titled by spec.row_titles). Points differing in a swept field other than x (one x does
@@ -227,10 +243,7 @@ def plot(path: str, rows: List[dict], spec, title: str = 'sweep', swept=()) -> N
   grid = [list(y) for y in spec.y] if all(isinstance(y, (list, tuple)) for y in spec.y) else [
       list(spec.y)]
   x, logy = spec.x, set(spec.get('logy') or ())
-  order = [spec.group] if spec.get('group') else []
-  order += [f for f in swept if f not in order]
-  fields = [f for f in plots.varying(rows, order)
-            if f != x and not plots.determined_by(rows, f, x)]
+  fields = series_fields(rows, spec, swept)
   series = {}
   for r in rows:
     series.setdefault(plots.series_label(r, fields) if fields else None, []).append(r)
@@ -254,10 +267,13 @@ def plot(path: str, rows: List[dict], spec, title: str = 'sweep', swept=()) -> N
           (line,) = ax.plot(*zip(*pts), marker='o', ls='-' if len(pts) > 1 else 'none',
                             label=label)
           handles.setdefault(label, line)
-      if spec.get('logx'):
-        ax.set_xscale('log')
-      if len(set(xs)) <= 12:
-        plots.plain_ticks(ax, xs)
+      if x_is_swept(rows, x, swept):  # a setting: tick each value, plainly (log if asked)
+        if spec.get('logx'):
+          ax.set_xscale('log')
+        if len(set(xs)) <= 12:
+          plots.plain_ticks(ax, xs)
+      elif spec.get('logx'):  # a measured figure: log where it spans a decade
+        plots.log_x(ax, xs)
       if y in logy:
         plots.log_y(ax, [factor * r[y] for r in rows if r.get(y) is not None])
       elif all(r.get(y) is None or r[y] >= 0 for r in rows):

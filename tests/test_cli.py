@@ -131,3 +131,91 @@ def test_missing_model_path_is_a_config_error(tmp_path):
   (tmp_path / 'nope.gguf').write_bytes(b'GGUF')
   cli.check_model_path(gguf)
   cli.check_model_path(Config())  # smollm2: the shipped file, no path
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = '''"""A made-up study: 100% of this line is its docstring."""
+from absl import flags
+from experiments import cli
+
+
+def study(config, workdir, fast=False):
+  print(f'fast={fast}')
+  return {}
+
+
+if __name__ == '__main__':
+  cli.study_flag(flags.DEFINE_bool, 'fast', False, 'Take the short way.')
+  cli.run_study('configs/thrashing.py', 'Study config.', study)
+'''
+
+
+def test_help_lists_config_workdir_the_study_flags_and_the_config_docstring(tmp_path):
+  """Plain --help (absl lists the main module's key flags only): --config with its default,
+  --workdir and the study's own flags, after the entry point's docstring and its config's."""
+  entry = tmp_path / 'entry.py'
+  entry.write_text(ENTRY)
+  env = dict(os.environ, PYTHONPATH=REPO)
+  run = subprocess.run([os.sys.executable, str(entry), '--help'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert run.returncode in (0, 1), run.stderr[-2000:]  # absl's --help exits 1
+  out = run.stdout
+  assert out.startswith('A made-up study: 100% of this line is its docstring.')
+  assert 'Config configs/thrashing.py:\n\nThrashing: pool size against arrival rate' in out
+  assert 'configs/thrashing.py:tiny --workdir=' in out  # the config's variants and commands
+  flags_part = out[out.index('\nflags:'):]
+  for flag in ('--config:', "(default: 'configs/thrashing.py')", '--workdir:', '--[no]fast:',
+               'Take the short way.'):
+    assert flag in flags_part, flag
+  assert "(default: 'None')" not in flags_part and '--helpfull' in flags_part
+
+
+def test_run_config_validates_first_then_reports_what_ran_and_wrote(tmp_path, capsys):
+  """The same path as the command line: check sees the study's options; the study's files are
+  listed (a directory of many as one line), the variant named in the first line."""
+  from configs import default  # pylint: disable=import-outside-toplevel
+  seen = {}
+
+  def check(config, fast=False):
+    seen['check'] = fast
+
+  def study(config, workdir, fast=False):
+    seen['study'] = fast
+    run_info.write_json(os.path.join(workdir, 'summary.json'), {})
+    for i in range(6):
+      run_info.write_csv(os.path.join(workdir, 'rows', f'{i}.csv'), [{'a': i}])
+    return 'done'
+
+  config = default.get_config('tiny')
+  config.title = 'Writes a few files'  # else the first line of the study module's docstring
+  assert cli.run_config(study, config, str(tmp_path / 'w'), check=check, fast=True) == 'done'
+  assert seen == {'check': True, 'study': True}
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == (f"Writes a few files [tiny variant: a smoke-size run of the same pipeline, "
+                    f"not the study's figures] -> {tmp_path / 'w'}")
+  assert out[1].startswith('wrote (') and out[2:] == [
+      f"  {tmp_path / 'w' / 'summary.json'}", f"  {tmp_path / 'w' / 'rows'}/ (6 files)"]
+  bad = default.get_config('tiny')
+  bad.pool.block_size = 12
+  with pytest.raises(ConfigError, match='config.pool.block_size=12'):
+    cli.run_config(study, bad, str(tmp_path / 'never'))
+  assert not (tmp_path / 'never').exists()  # refused before the workdir
+
+
+def test_markdown_table_writes_numbers_plainly():
+  table = run_info.markdown_table([{'a': 12345.6, 'b': 0.000123456, 'c': None, 'd': 'x'}],
+                                  ['a', 'b', 'c', 'd'], digits=3)
+  assert table.splitlines()[-1] == '| 12346 | 0.000123 |  | x |'
+
+
+def test_report_trace_names_the_files_and_the_viewer(tmp_path, capsys):
+  run_dir = tmp_path / 'plugins' / 'profile' / '2026_01_01'
+  run_dir.mkdir(parents=True)
+  (run_dir / 'host.trace.json.gz').write_bytes(b'')
+  (run_dir / 'host.xplane.pb').write_bytes(b'')
+  assert len(cli.report_trace(str(tmp_path))) == 2
+  out = capsys.readouterr().out
+  assert f'xprof --logdir={tmp_path} --port=8791' in out and 'requirements-profile.txt' in out
+  assert f'load {run_dir / "host.trace.json.gz"} at https://ui.perfetto.dev' in out
+  with open(os.path.join(REPO, cli.PROFILE_REQUIREMENTS)) as f:
+    assert re.search(r'^xprof==\d+\.\d+\.\d+$', f.read(), re.M)  # a pinned version

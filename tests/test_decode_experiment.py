@@ -1,5 +1,6 @@
 """The main job end to end: the tiny config through absl flags, and SmolLM2 through the engine;
 its refusals (config, flags, workdir, prompts) as one line before anything loads or compiles."""
+import csv
 import json
 
 import pytest
@@ -32,6 +33,13 @@ def test_decode_tiny_writes_summary(tmp_path):
   assert 0 < summary['kv_blocks_peak_used'] < summary['kv_blocks_total']
   assert summary['num_compilations'] == summary['num_compilations_first_pass'] <= 6
   assert [o['prompt'] for o in summary['outputs']] == list(default.PROMPTS)
+  assert summary['variant'] == 'tiny' and '[tiny variant' in run.stdout
+  assert 'load_average' in summary and 'git_revision' in summary
+  with open(tmp_path / 'results.csv') as f:  # one row of figures
+    (figures,) = list(csv.DictReader(f))
+  assert float(figures['tokens_per_second']) == pytest.approx(summary['tokens_per_second'])
+  with open(tmp_path / 'completions.csv') as f:  # one row per completion
+    assert [r['prompt'] for r in csv.DictReader(f)] == list(default.PROMPTS)
 
 
 # Each refusal is one line on stderr, before anything loads (no jax backend log line either):

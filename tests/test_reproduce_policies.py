@@ -1,17 +1,21 @@
-"""The policy-table experiment end to end on its `:tiny` config, cut to three rows of one trace
-(in-process: the full command is in configs/policy_table.py's docstring)."""
+"""The policy-table experiment end to end on its `:tiny` config, cut to four rows of one trace,
+through cli.run_config in this process (the full command is in configs/policy_table.py's
+docstring)."""
 import csv
 import json
 
 from configs import policy_table
 from experiments import reproduce_policies
+from study_outputs import check_outputs, run_tiny
 
 
 def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   config = policy_table.get_config('tiny')
   config.policies.rows = ['recompute', 'lru', 'ram_disk', 'auto']
   config.policies.traces = ['multi_turn']
-  summary = reproduce_policies.study(config, str(tmp_path))
+  summary, stdout = run_tiny(reproduce_policies.study, config, tmp_path)
+  check_outputs(tmp_path, stdout)
+  assert 'goal multi_turn_ttft_p50_speedup_vs_recompute (>= 3)' in stdout
   rows = {r['policy']: r for r in summary['rows']}
   assert list(rows) == list(config.policies.rows)
   # The device pool holds part of the working set; the tiers find what it lost.

@@ -1,5 +1,6 @@
 """Block sharing: forks and copy-on-write (parallel sampling), and block bookkeeping under random
 workloads with prefix caching, forks, preemption and eviction (model-free fake step)."""
+import csv
 import json
 
 import hypothesis
@@ -10,7 +11,8 @@ from pagedjax.engine import RequestError
 from pagedjax.host.sampling_params import SamplingParams
 
 from fakes import FakeClock, FakeStep, check_blocks, expected_outputs, fake_engine, written_blocks
-from tiny_models import make_engine, prompts, run_experiment
+from study_outputs import check_outputs, run_tiny
+from tiny_models import make_engine, prompts
 
 
 # ---- parallel sampling on a real (tiny) model ----------------------------------------------
@@ -116,14 +118,14 @@ def test_block_invariants_under_random_workloads(ops, preemption, caching, evict
 
 
 def test_reproduce_sharing_tiny(tmp_path):
-  """The experiment end to end on its :tiny config, in its own process (its absl flags would
-  clash with other experiments' in this one). Figures are checked for sense, not for the goals,
-  which need the full-size trace."""
-  run = run_experiment('experiments.reproduce_sharing', '--config=configs/reproduce_sharing.py:tiny',
-                       f'--workdir={tmp_path}')
-  assert run.returncode == 0, run.stderr[-3000:]
-  with open(tmp_path / 'summary.json') as f:
-    s = json.load(f)
+  """The experiment end to end on its :tiny config, in this process (cli.run_config, as the
+  command line runs it): table, CSV, plot and summary. Figures are checked for sense, not for
+  the goals, which need the full-size trace."""
+  from configs import reproduce_sharing as sharing_config  # pylint: disable=import-outside-toplevel
+  from experiments import reproduce_sharing  # pylint: disable=import-outside-toplevel
+  s, stdout = run_tiny(reproduce_sharing.study, sharing_config.get_config('tiny'), tmp_path)
+  check_outputs(tmp_path, stdout)
+  assert s == json.loads((tmp_path / 'summary.json').read_text())
   sp, mt, ps = s['shared_prompt'], s['multi_turn'], s['parallel_sampling']
   assert s['prefix_hit_rate'] == sp['prefix_hit_rate'] and 0 < sp['prefix_hit_rate'] < 1
   assert 0 < s['prefill_tokens_saved_fraction'] < 1 and s['ttft_speedup'] > 0
@@ -134,3 +136,8 @@ def test_reproduce_sharing_tiny(tmp_path):
   with open(tmp_path / 'results.jsonl') as f:
     studies = [json.loads(line)['study'] for line in f]
   assert studies == ['shared_prompt'] * 2 + ['multi_turn'] * 2 + ['parallel_sampling'] * 2
+  with open(tmp_path / 'results.csv') as f:
+    rows = list(csv.DictReader(f))
+  assert [(r['study'], r['dataset'], r['prefix_caching']) for r in rows[:2]] == [
+      ('shared_prompt', '', 'False'), ('shared_prompt', '', 'True')]
+  assert (tmp_path / 'sharing.png').stat().st_size > 0 and 'goal shared_prompt' in stdout

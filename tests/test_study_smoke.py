@@ -3,8 +3,8 @@ checks, the runs, table, CSV, plot, summary.json; tests/study_outputs.py checks 
 run shares), in this process through cli.run_config, as `python -m experiments.NAME
 --config=configs/NAME.py:tiny --workdir=DIR` does. STUDIES names, for every config in configs/,
 the test that runs its `:tiny` pipeline: the studies that already had one run it there (with
-their own figure checks), the rest here. A new config without an entry fails
-test_every_config_has_a_smoke_run.
+their own figure checks), the rest here; NOT_RUN the configs no test runs yet, with the reason.
+A new config in neither fails test_every_config_has_a_smoke_run.
 """
 import ast
 import importlib
@@ -44,12 +44,16 @@ STUDIES = {
     'simulate_ablations': ('experiments.simulate', 'test_study_smoke.py::test_tiny_pipeline'),
     'simulate_scale': ('experiments.simulate', 'test_study_smoke.py::test_tiny_pipeline'),
 }
+# Configs whose :tiny pipeline no test runs yet, and why (each its owner's to add).
+NOT_RUN = {
+    'serve': 'live Ray Serve replicas over HTTP; tests/test_serve.py tests the deployment',
+}
 HERE = sorted(name for name, (_, test) in STUDIES.items() if test.startswith('test_study_smoke'))
 
 
 def test_every_config_has_a_smoke_run():
   configs = {f[:-3] for f in os.listdir(CONFIGS) if f.endswith('.py') and f != '__init__.py'}
-  assert set(STUDIES) == configs
+  assert set(STUDIES) | set(NOT_RUN) == configs and not set(STUDIES) & set(NOT_RUN)
   for name, (_, where) in STUDIES.items():
     path, _, function = where.partition('::')
     with open(os.path.join(TESTS, path)) as f:

@@ -15,9 +15,10 @@ import sys
 import pytest
 
 from configs import ablate_block_size, reproduce_memory as reproduce_config
-from experiments import block_overhead, cli, jobs, reproduce_memory, sweep
+from experiments import block_overhead, cli, jobs, plots, reproduce_memory, sweep
 from pagedjax import executor, run_info
 from pagedjax.config import ConfigError
+from study_outputs import check_outputs, run_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,6 +105,12 @@ def test_sweep_runs_each_point_once_and_skips_done_points(tmp_path):
       [sys.executable, '-m', 'experiments.sweep', '--config=configs/ablate_block_size.py:tiny',
        f'--workdir={workdir}'], cwd=REPO, capture_output=True, text=True, check=True)
   assert '2 of 2 points already in' in out.stdout
+  check_outputs(workdir, out.stdout)  # the table, CSV, plot and summary rewritten from the rows
+  assert '| pool.block_size | pool.num_blocks | kv_utilization |' in out.stdout
+  with open(os.path.join(workdir, 'results.csv')) as f:
+    header = next(csv.reader(f))
+  assert header[:2] == ['pool.block_size', 'pool.num_blocks']
+  assert 'block_size' not in header and 'pool_kind' in header  # pool.kind is not swept here
   with open(os.path.join(workdir, 'results.jsonl')) as f:
     assert len(f.readlines()) == 3
 
@@ -211,10 +218,14 @@ def test_results_csv_is_replaced_atomically(tmp_path):
 
 
 def test_memory_study_figures(tmp_path, caplog):
+  """The study's :tiny pipeline (experiments.reproduce_memory's study), then its figures."""
   config = reproduce_config.get_config('tiny')
-  rows = sweep.run_sweep(config, str(tmp_path))
-  figures = reproduce_memory.summarize(rows)
-  reproduce_memory.plot(os.path.join(tmp_path, 'memory.png'), rows, str(tmp_path))
+  figures, stdout = run_tiny(reproduce_memory.study, config, tmp_path,
+                             check=reproduce_memory.check)
+  check_outputs(tmp_path, stdout)
+  rows = figures['rows']
+  assert [r['pool.kind'] for r in rows] == ['contiguous', 'paged']
+  assert 'paged / contiguous throughput' in stdout
   assert os.path.getsize(os.path.join(tmp_path, 'memory.png')) > 0
   assert figures['same_kv_pool_bytes']
   # Same pool: contiguous holds 4 reservations of max_seq_len, paged more sequences, fuller.
@@ -237,3 +248,34 @@ def test_memory_study_figures(tmp_path, caplog):
   config.sweep = [p for p in config.sweep if p['pool.kind'] == 'paged']
   with pytest.raises(ConfigError, match="pool.kind='contiguous' is missing"):
     reproduce_memory.check_kinds(config)  # before the runs, not after them
+
+
+def test_a_command_line_override_of_a_swept_field_is_refused():
+  """Every point sets its swept fields, so an override of one would silently be replaced: it
+  is refused, naming the field and the points' values; other fields pass."""
+  config = ablate_block_size.get_config('tiny')
+  for arg in ('--config.pool.block_size=32', '--config.pool.num_blocks', '--config.pool=x'):
+    with pytest.raises(ConfigError, match=r'--config.pool(.block_size|.num_blocks)? is not '
+                       r'allowed: config.sweep sets pool.(block_size|num_blocks) per point '
+                       r'\((8, 16|33, 65)\)'):
+      cli.refuse_swept_overrides(config, ['prog', arg])
+  cli.refuse_swept_overrides(config, ['prog', '--config.scheduler.watermark=0.05',
+                                      '--workdir=/tmp/x'])
+
+
+def test_plot_series_are_named_by_every_field_that_differs():
+  """The KV sweep's points differ in dtype, group size, per-channel keys and window: the
+  legend names them all; the block-size sweep's num_blocks follows its x (no legend)."""
+  from configs import ablate_kv_quant  # pylint: disable=import-outside-toplevel
+  kvq = ablate_kv_quant.get_config('tiny')
+  rows = [dict(p, kv_bytes_per_token=b) for p, b in zip(kvq.sweep, (128, 72, 112))]
+  fields = sweep.series_fields(rows, kvq.plot, sweep.swept_fields(kvq.sweep))
+  assert fields == ['pool.kv_dtype', 'pool.kv_group_size', 'pool.kv_key_per_channel',
+                    'pool.kv_recent_window']
+  assert plots.series_label(rows[2], fields) == (
+      'int4, group 8, per-channel keys, recent window 16')
+  bs = ablate_block_size.get_config('tiny')
+  rows = [dict(p) for p in bs.sweep]
+  assert sweep.series_fields(rows, bs.plot, sweep.swept_fields(bs.sweep)) == []
+  assert sweep.csv_columns([dict(r, block_size=r['pool.block_size'], x=1) for r in rows],
+                           bs.sweep) == ['pool.block_size', 'pool.num_blocks', 'x']

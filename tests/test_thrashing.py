@@ -3,9 +3,8 @@ requests again and again; the metrics that show it (re-preempted requests, recom
 count exactly, and projected admission, write-through to host and swap cut the recomputation
 without changing a token. Model-free engines (tests/fakes.py) run the real host code in
 milliseconds; write-through moves real (tiny) block arrays. The experiment's pipeline runs in
-process on its `:sim` variant (the `:tiny` command, a real model in a subprocess, is left to
-`python -m experiments.thrashing --config=configs/thrashing.py:tiny`: ~10 s the suite cannot
-afford)."""
+process on its `:sim` variant here, and on its `:tiny` variant (a real tiny model) in
+tests/test_study_smoke.py."""
 import dataclasses
 
 import numpy as np
