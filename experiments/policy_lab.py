@@ -387,8 +387,13 @@ def plot(config, curves: list, ceiling: float, workdir: str) -> None:
   a2.set_ylim(-1.05, 1.05)  # far below LRU (a gap of a few tenths of a percent) is off the axis
   a2.set_ylabel("share of LRU's gap to the optimum closed (axis cut at -1)")
   a2.set_title(f"LRU's gap closed (1 = optimal, < 0 = worse than LRU){note}", fontsize=9)
+  caps = [c['capacity_tokens'] for c in curves]
+  if all(c['gap_closed'] is None for c in curves):  # the optimum is LRU at every capacity
+    a2.text(0.5, 0.5, 'no gap: LRU is optimal at every capacity', ha='center',
+            transform=a2.transAxes)
   for a in (a1, a2):
     a.set_xscale('log')
+    a.set_xlim(min(caps) / 1.5, max(caps) * 1.5)
     a.set_xlabel('cache capacity (tokens, log scale)')
     a.grid(True, which='both', alpha=0.3)
     a.legend(fontsize=7)

@@ -76,6 +76,7 @@ def test_tiny_study(tmp_path):
   curves = summary['curves']
   assert len(curves) == len(config.lab.rows) * 2
   assert all(c['regret'] >= 0 for c in curves)
+  assert any(c['regret'] > 0 for c in curves if c['row'] == lab.REFERENCE)  # a gap to study
   assert all(0 <= c['hit_rate'] <= summary['ceiling']['replayed'] + 1e-12 for c in curves)
   assert set(summary['goals']) == set(config.lab.rows) - {lab.REFERENCE, *lab.OFFLINE}
   assert summary['continuation_by_turn'][0]['turns'] > 0
