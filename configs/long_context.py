@@ -1,4 +1,4 @@
-"""Contexts longer than the device pool (issue 13): SmolLM2-135M float32, a context 4x the pool.
+"""Contexts longer than the device pool: SmolLM2-135M float32, a context 4x the pool.
 
   python -m experiments.long_context --workdir=runs/long_context
   python -m experiments.long_context --config=configs/long_context.py:tiny --workdir=/tmp/lc
@@ -9,12 +9,14 @@ block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + m
   - through the normal engine with this pool: refused at submit (the RequestError is recorded);
   - through the normal engine with a pool just big enough (all on the device): the reference
     tokens and logits, and its tokens/s;
-  - through the long-context decoder (pagedjax/long_context.py) at every `points` entry
-    (window_blocks, chunk_blocks): the newest window_blocks on the device, older blocks in host
-    RAM streamed chunk_blocks at a time; (16, C) uses the same device KV memory as the refused
-    pool; a window of the whole context streams nothing (the layer-by-layer loop's own cost);
+  - through the engine with this pool and offload on (config.offload) at every `points` entry
+    (window_blocks, chunk_blocks): the newest window_blocks in the pool, older blocks in host
+    RAM streamed chunk_blocks at a time; (16, C) holds the whole refused pool;
   - by recompute: the whole context re-run without a cache every step (each layer's K/V live
-    only while that layer runs), for `recompute_tokens` tokens.
+    only while that layer runs), for `recompute_tokens` tokens;
+  - `beside_requests` ordinary requests, timed alone and beside the long one (window
+    `beside_window`) in one engine;
+and reports host/tier_cost.py's stream-vs-recompute break-even per point.
 `:tiny` runs the same pipeline on a 1-layer random Llama at two points (seconds; most of it
 compiling).
 """
@@ -37,10 +39,13 @@ def get_config(arg=None):
   config.long_context = ml_collections.ConfigDict(dict(
       context_multiple=4,  # prompt + new tokens = this many times the pool's tokens
       prompt_verse=0,  # the KJV verse the prompt's text starts at
-      prefill_chunk=64,  # prompt tokens per streamed step
-      # (window_blocks, chunk_blocks): the window sweep at chunk 8, the chunk sweep at the pool.
-      # A tuple, so the command line can override it: --config.long_context.points='((16, 8),)'
-      points=((64, 8), (32, 8), (16, 8), (8, 8), (4, 8), (16, 2), (16, 32)),
+      prefill_chunk=64,  # prompt tokens per step of the streamed engines
+      # (window_blocks, chunk_blocks) of config.offload, each window at most the pool: the
+      # window sweep at chunk 8, the chunk sweep at the whole pool. A tuple, so the command line
+      # can override it: --config.long_context.points='((16, 8),)'
+      points=((16, 8), (8, 8), (4, 8), (2, 8), (16, 2), (16, 32)),
+      # Ordinary requests timed alone and beside the long one (offloaded with this window):
+      beside_requests=2, beside_window=8, beside_prompt_tokens=32, beside_new_tokens=32,
       recompute_tokens=3,
       repeats=2))  # timed runs of every point, in rounds (decode steps pooled: the median)
   if arg == 'tiny':
@@ -52,6 +57,8 @@ def get_config(arg=None):
     config.sampling.max_new_tokens = 4
     config.long_context.prefill_chunk = 32
     config.long_context.points = ((4, 2), (2, 1))  # the pool's window, and half of it
+    config.long_context.update(dict(beside_window=2, beside_prompt_tokens=8,
+                                    beside_new_tokens=4))
     config.long_context.recompute_tokens = 2
     config.long_context.repeats = 1
   elif arg:
