@@ -8,19 +8,40 @@ A study is `study(config, workdir, **options) -> summary dict`; its whole `__mai
     cli.run_study('configs/NAME.py', 'What the config holds.', study, check=check)
 
 and `python -m experiments.NAME --config=configs/NAME.py[:tiny] --workdir=DIR` then validates
-the config (pagedjax.config.validate_config, then `check(config, **options)`), creates DIR, holds its lock,
-prints what runs (the config's variant included), runs the study, and lists the files it wrote.
-`run_config(study, config, workdir, check)` is the same without flags: what tests call.
-A study's own flags are defined with `study_flag(flags.DEFINE_bool, 'calibrate', False, help)`
-before run_study; their values reach `study` as keywords. --help shows --config, --workdir and
-those flags, after the entry point's docstring and the config file's (what the study measures,
-its commands, its variants).
+the config (pagedjax.config.validate_config, then `check(config, **options)`), creates DIR,
+holds its lock, prints what runs (the config's variant included), runs the study, and lists the
+files it wrote. What a study itself does, the same way in every study:
+  - prints a short table of its results (run_info.markdown_table) and writes it to table.md;
+  - writes summary.json with run_info.summary_fields(config) (variant, config, versions, git
+    state, machine load), a CSV of its rows (run_info.write_csv: one column per swept field and
+    per figure) and its plots (experiments/plots.py: words, units, plots.save);
+  - labels titles with variant_note(config) (`:tiny` runs say they are smoke-size);
+  - wraps loops longer than a few seconds in progress(...), printing lines there with say(...).
+
+The API (kept stable for new studies):
+  run_study(default_config, help_string, study, check=None, validate=True)   a study's __main__
+  run_config(study, config, workdir, check=None, validate=True, **options)   the same, no flags
+  study_flag(flags.DEFINE_bool, 'calibrate', False, help)  a study's own flag, listed by --help,
+                                                          passed to study and check by name
+  progress(iterable, desc), say(line)            tqdm on stderr; a line that leaves it whole
+  variant(config), variant_note(config)          'tiny'; ' [tiny variant: ...]' for titles
+  refuse_swept_overrides(config, argv=None)      ConfigError for --config.X of a swept field
+  check_fields(config, 'section', name=POSITIVE_INT, kind=one_of(KINDS), ...)  a section's
+                                                 fields, each refused as one ConfigError line
+  report_trace(profile_dir)                      after jax.profiler.stop_trace: path and viewer
+  prepare_workdir, lock_workdir, check_model_path, fail, USER_ERRORS   the parts used above
+validate=False is for a study whose base config is completed per point (simulate sizes each
+point's pool from its device): its check validates every point instead.
 
 Entry points that do not fit that shape (decode, bench_*) use the parts:
 
   if __name__ == '__main__':
     cli.define_flags('configs/default.py', 'Experiment config.')
     cli.run(main)           # main reads flags.FLAGS.config and flags.FLAGS.workdir
+
+--help on any of them shows --config, --workdir and the entry point's own flags (key flags of
+the main module; absl lists other modules' flags under --helpfull only), after the entry
+point's docstring and its config file's (what the study measures, its commands, its variants).
 
 A config or request error (pagedjax.config.ConfigError, RequestError, a bad --workdir, an
 override of a field the config does not have, a config file that does not load) prints
@@ -322,6 +343,45 @@ def say(line: str) -> None:
   """A line on stdout that leaves any progress bar whole."""
   tqdm.tqdm.write(line, file=sys.stdout)
   sys.stdout.flush()
+
+
+def _number(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float(
+      'inf')
+
+
+# Rules for check_fields: (predicate, what is allowed, in words).
+POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                'an integer >= 1')
+INT = (lambda v: isinstance(v, int) and not isinstance(v, bool), 'an integer')
+POSITIVE = (lambda v: _number(v) and v > 0, 'a finite number > 0')
+NON_NEGATIVE = (lambda v: _number(v) and v >= 0, 'a finite number >= 0')
+BOOL = (lambda v: isinstance(v, bool), 'True or False')
+
+
+def one_of(allowed) -> tuple:
+  return (lambda v: v in allowed, f'one of {tuple(allowed)}')
+
+
+def list_of(rule, non_empty: bool = True) -> tuple:
+  test, words = rule
+  return (lambda v: isinstance(v, (list, tuple)) and (bool(v) or not non_empty) and all(
+      test(x) for x in v), f'a {"non-empty " if non_empty else ""}list, each {words}')
+
+
+def check_fields(config, section: str, **rules) -> None:
+  """ConfigError `config.SECTION.FIELD=VALUE is not allowed: ...` for the first field of
+  config.SECTION that breaks its rule (POSITIVE_INT, one_of(...), list_of(...), ...); a field
+  the section lacks is named too."""
+  if section not in config:
+    raise ConfigError(f'config.{section} is missing: a section with {", ".join(rules)}')
+  values = config[section]
+  for field, (test, allowed) in rules.items():
+    if field not in values:
+      raise ConfigError(f'config.{section} has no field {field!r}: {allowed}')
+    value = values[field]
+    if isinstance(value, config_dict.ConfigDict) or not test(value):
+      raise ConfigError(f'config.{section}.{field}={value!r} is not allowed: {allowed}')
 
 
 PROFILE_REQUIREMENTS = 'requirements-profile.txt'

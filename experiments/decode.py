@@ -127,7 +127,9 @@ def main(argv):
   sampling = typed.sampling
   check_prompts(engine, prompts, sampling)
 
+  print(f'pass 1 of 2 ({len(prompts)} prompts): compiles every step shape', flush=True)
   _, first_seconds, _ = run_pass(engine, prompts, sampling)
+  print(f'pass 2 of 2: timed ({first_seconds:.1f} s for the first)', flush=True)
   compilations_first = engine.num_compilations
   if _PROFILE_DIR.value:
     jax.profiler.start_trace(_PROFILE_DIR.value)

@@ -291,5 +291,27 @@ def study(config, workdir: str) -> dict:
   return summary
 
 
+ROWS = ('unlimited', 'recompute') + FIXED[1:] + ('auto',)
+TRACES = ('multi_turn', 'rag', 'agent')
+
+
+def check(config) -> None:
+  """The rows, traces, tier shares and trace sections, before any engine starts."""
+  cli.check_fields(config, 'policies', rows=cli.list_of(cli.one_of(ROWS)),
+                   traces=cli.list_of(cli.one_of(TRACES)), device_share=cli.POSITIVE,
+                   host_share=cli.POSITIVE, disk_share=cli.POSITIVE,
+                   session_idle_s=cli.POSITIVE, unlimited_blocks=cli.POSITIVE_INT,
+                   repeats=cli.POSITIVE_INT)
+  datasets = cli.one_of(workloads.DATASETS)
+  length = dict(dataset=datasets, seed=cli.INT, max_input_len=cli.POSITIVE_INT,
+                max_output_len=cli.POSITIVE_INT, rate=cli.POSITIVE)
+  cli.check_fields(config, 'multi_turn', conversations=cli.POSITIVE_INT, turns=cli.POSITIVE_INT,
+                   think_time_s=cli.NON_NEGATIVE, system_tokens=cli.POSITIVE_INT, **length)
+  cli.check_fields(config, 'rag', requests=cli.POSITIVE_INT, documents=cli.POSITIVE_INT,
+                   shots=cli.POSITIVE_INT, **length)
+  cli.check_fields(config, 'agent', agents=cli.POSITIVE_INT, steps=cli.POSITIVE_INT,
+                   scaffold_tokens=cli.POSITIVE_INT, step_gap_s=cli.NON_NEGATIVE, **length)
+
+
 if __name__ == '__main__':
-  cli.run_study('configs/policy_table.py', 'Policy table config.', study)
+  cli.run_study('configs/policy_table.py', 'Policy table config.', study, check=check)

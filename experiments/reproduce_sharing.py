@@ -256,5 +256,24 @@ def plot(figures: dict, config, path: str) -> None:
   plots.save(fig, path)
 
 
+def check(config) -> None:
+  """The four studies' sections, before any engine starts."""
+  datasets = cli.one_of(workloads.DATASETS)
+  length = dict(max_input_len=cli.POSITIVE_INT, max_output_len=cli.POSITIVE_INT,
+                seed=cli.INT, calibrate=cli.BOOL)
+  cli.check_fields(config, 'shared_prompt', num_requests=cli.POSITIVE_INT,
+                   system_tokens=cli.POSITIVE_INT, dataset=datasets, rate=cli.POSITIVE, **length)
+  cli.check_fields(config, 'multi_turn', num_conversations=cli.POSITIVE_INT,
+                   turns=cli.POSITIVE_INT, dataset=datasets, rate=cli.POSITIVE,
+                   turn_gap_s=cli.NON_NEGATIVE, **length)
+  cli.check_fields(config, 'parallel_sampling', datasets=cli.list_of(datasets),
+                   sample_n=cli.list_of(cli.POSITIVE_INT), num_requests=cli.POSITIVE_INT,
+                   temperature=cli.NON_NEGATIVE, **length)
+  if 'beam_search' in config:
+    cli.check_fields(config, 'beam_search', datasets=cli.list_of(datasets),
+                     beam_widths=cli.list_of(cli.POSITIVE_INT, non_empty=False),
+                     num_requests=cli.POSITIVE_INT, **length)
+
+
 if __name__ == '__main__':
-  cli.run_study('configs/reproduce_sharing.py', 'Sharing study config.', study)
+  cli.run_study('configs/reproduce_sharing.py', 'Sharing study config.', study, check=check)

@@ -387,6 +387,10 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
       'load_average_after': os.getloadavg(), **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   print_validation(summary)
+  arg = '' if cli.variant(config) == 'full' else f':{cli.variant(config)}'
+  print(f'replay a trace on this profile: python -m experiments.simulate '
+        f'--config=configs/simulate_cpu.py{arg} --config.sim.hardware={profile_path} '
+        '--workdir=DIR')
   return summary
 
 

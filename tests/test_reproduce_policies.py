@@ -4,7 +4,10 @@ docstring)."""
 import csv
 import json
 
+import pytest
+
 from configs import policy_table
+from pagedjax.config import ConfigError
 from experiments import reproduce_policies
 from study_outputs import check_outputs, run_tiny
 
@@ -13,7 +16,8 @@ def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   config = policy_table.get_config('tiny')
   config.policies.rows = ['recompute', 'lru', 'ram_disk', 'auto']
   config.policies.traces = ['multi_turn']
-  summary, stdout = run_tiny(reproduce_policies.study, config, tmp_path)
+  summary, stdout = run_tiny(reproduce_policies.study, config, tmp_path,
+                             check=reproduce_policies.check)
   check_outputs(tmp_path, stdout)
   assert 'goal multi_turn_ttft_p50_speedup_vs_recompute (>= 3)' in stdout
   rows = {r['policy']: r for r in summary['rows']}
@@ -40,3 +44,16 @@ def test_policy_table_writes_rows_goals_and_plot(tmp_path):
   assert not (tmp_path / 'timelines' / 'multi_turn-lru.csv').exists()
   # auto keeps sessions: conversations idle past session_idle_s were demoted as units.
   assert rows['auto']['session_idle_demoted_blocks'] > 0
+
+
+@pytest.mark.parametrize('section, field, value, allowed', [
+    ('policies', 'rows', ('lru', 'mru'), r"a non-empty list, each one of \('unlimited'"),
+    ('policies', 'device_share', 0.0, 'a finite number > 0'),
+    ('rag', 'documents', 0, 'an integer >= 1'),
+    ('multi_turn', 'dataset', 'wiki', "one of \\('sharegpt'"),
+])
+def test_bad_study_fields_are_refused_before_any_engine(section, field, value, allowed):
+  config = policy_table.get_config('tiny')
+  config[section][field] = value
+  with pytest.raises(ConfigError, match=rf'config.{section}.{field}=.* is not allowed: {allowed}'):
+    reproduce_policies.check(config)

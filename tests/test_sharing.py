@@ -7,6 +7,7 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
+from pagedjax.config import ConfigError
 from pagedjax.engine import RequestError
 from pagedjax.host.sampling_params import SamplingParams
 
@@ -123,7 +124,8 @@ def test_reproduce_sharing_tiny(tmp_path):
   the goals, which need the full-size trace."""
   from configs import reproduce_sharing as sharing_config  # pylint: disable=import-outside-toplevel
   from experiments import reproduce_sharing  # pylint: disable=import-outside-toplevel
-  s, stdout = run_tiny(reproduce_sharing.study, sharing_config.get_config('tiny'), tmp_path)
+  config = sharing_config.get_config('tiny')
+  s, stdout = run_tiny(reproduce_sharing.study, config, tmp_path, check=reproduce_sharing.check)
   check_outputs(tmp_path, stdout)
   assert s == json.loads((tmp_path / 'summary.json').read_text())
   sp, mt, ps = s['shared_prompt'], s['multi_turn'], s['parallel_sampling']
@@ -141,3 +143,7 @@ def test_reproduce_sharing_tiny(tmp_path):
   assert [(r['study'], r['dataset'], r['prefix_caching']) for r in rows[:2]] == [
       ('shared_prompt', '', 'False'), ('shared_prompt', '', 'True')]
   assert (tmp_path / 'sharing.png').stat().st_size > 0 and 'goal shared_prompt' in stdout
+  config.parallel_sampling.sample_n = [2, 0]
+  with pytest.raises(ConfigError, match=r'config.parallel_sampling.sample_n=\[2, 0\] is not '
+                     r'allowed: a non-empty list, each an integer >= 1'):
+    reproduce_sharing.check(config)

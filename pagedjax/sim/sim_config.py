@@ -76,7 +76,11 @@ def hardware_of(config) -> hardware.Hardware:
   if not isinstance(name, str) or not name:
     _refuse('hardware', name, allowed)
   if name.endswith('.json') and not os.path.isfile(name):
-    _refuse('hardware', name, f'{allowed}; this file does not exist')
+    variant = config.get('variant', None)
+    arg = f':{variant}' if variant and variant != 'full' else ''
+    _refuse('hardware', name, f'{allowed}; this file does not exist: write it with `python -m '
+            f'experiments.simulate --config=configs/simulate_cpu.py{arg} --calibrate '
+            f'--workdir={os.path.dirname(name) or "."}`')
   try:
     return hardware.get_hardware(name)
   except ValueError as e:
