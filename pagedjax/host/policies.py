@@ -571,7 +571,8 @@ def projected(scheduler, unit):
   def projected_blocks(seq):
     left = seq.params.max_new_tokens - len(seq.output_ids)
     ahead = min(left, horizon) if horizon else left
-    return blocks.blocks_for(min(seq.num_tokens + ahead, blocks.max_seq_len))
+    n = blocks.blocks_for(min(seq.num_tokens + ahead, blocks.max_seq_len))
+    return min(n, seq.window) if seq.window else n  # offloaded: its window at most
 
   need = sum(projected_blocks(s) * s.width for s in scheduler.running + unit)
   return need <= blocks.usable_blocks
