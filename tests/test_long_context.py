@@ -3,7 +3,7 @@
 
 A tiny random model with a 4-block pool of 8 tokens (32 tokens) serves prompts of 4x and 16x
 that pool: each long sequence keeps its newest 2 blocks on the device, older ones in host RAM,
-streamed through attention 4 blocks per call (the last chunk padded), while the engine serves
+streamed through attention 8 blocks per call (the last chunk padded), while the engine serves
 ordinary requests in the same iterations. Everything must equal an engine whose pool holds it
 all: greedy and seeded sampled tokens identical, logits within float32 tolerance (atol 1e-4, as
 tests/test_paged_decode.py: only the order of the same float32 sums differs); partial states
@@ -81,7 +81,7 @@ def test_16x_the_pool_beside_an_ordinary_sampled_request(offloaded, reference):
   assert offloaded.offload.counters['offloaded_blocks'] >= 62
   assert delta['streamed_tokens'] == 511 - 2 * BLOCK
   assert delta['prefill_steps'] + delta['decode_steps'] > 0 and delta['preemptions'] == 0
-  # Every decode step streams every host block of every layer, padded to whole chunks of 4.
+  # Every step streams every host block of every layer, padded to whole chunks of 8.
   chunk_bytes = 2 * 2 * OFFLOAD.chunk_blocks * tiny('gqa')[0].num_kv_heads * BLOCK * 12 * 4
   assert delta['streamed_bytes'] % chunk_bytes == 0
   # The host store holds nothing once they finish.
