@@ -12,16 +12,18 @@ model on 127.0.0.1, caches cold) and replays the same requests over HTTP (stream
 their initialize_state), any other a pagedjax router (pagedjax/cluster/routers.py).
 
 Workloads (`workload.kind`):
+  shared_prefix  `tenants` random prefixes of `prefix_tokens`, each request one of them and a
+                 fresh `question_tokens`, Poisson arrivals at `rate`/s (llm-d's benchmark shape)
   mooncake       requests `start`.. of /work/shared/traces/mooncake_conversation.jsonl
                  (pagedjax.workloads.block_trace_requests: block ids -> deterministic tokens,
                  blocks and outputs shrunk by `length_scale`, arrival gaps by `time_scale`);
-                 requests longer than engine.max_seq_len are left out (counted)
-  shared_prefix  `tenants` random prefixes of `prefix_tokens`, each request one of them and a
-                 fresh `question_tokens`, Poisson arrivals at `rate`/s
+                 requests longer than engine.max_seq_len are left out (counted). A slice of
+                 consecutive requests reuses little: in any 60 of them only block 0 repeats
+                 (5% of prompt tokens); a conversation's turns are minutes apart.
 
-Default: SmolLM2-135M (the shipped GGUF), 3 replicas, 48 Mooncake requests at 1/32 length.
-`:tiny`: the random tiny model, 2 replicas, 12 shared-prefix requests, three routers (a smoke
-run of the whole pipeline, about a minute per router on a loaded 2-core machine).
+Default: SmolLM2-135M (the shipped GGUF), 3 replicas of 1,008 KV tokens, 60 requests of 8
+tenants. `:slice` is the same on the random tiny model (what docs/cluster.md reports);
+`:tiny` a test-sized smoke run (2 replicas, 12 requests, three routers).
 """
 import ml_collections
 
@@ -44,23 +46,30 @@ def get_config(arg=None):
   config = Config().to_configdict()
   config.prefix_cache.enabled = True
   config.engine.max_seq_len = 1024
+  # 63 usable blocks of 16 = 1,008 tokens of KV per replica: about three of the eight tenants'
+  # prefixes, so where a tenant's requests go decides whether its prefix is still cached
+  config.pool.num_blocks = 64
   config.serve = ml_collections.ConfigDict(dict(
-      replicas=3, routers=router_rows(), concurrency=8, request_timeout_s=120.0,
+      replicas=3, routers=router_rows(), concurrency=6, request_timeout_s=120.0,
       start_timeout_s=300.0, max_ongoing_requests=16,
       simulate=True,  # also replay the same requests on the simulated cluster (sim.py)
-      sim_hardware='h100-sxm'))
+      sim_hardware='h100-sxm',
+      sim_time_scale=1.0))  # the simulated replay's arrival times, multiplied by this
   config.workload = ml_collections.ConfigDict(dict(
-      kind='mooncake', path=MOONCAKE, start=0, requests=48, length_scale=1 / 32,
-      time_scale=0.05, tenants=4, prefix_tokens=192, question_tokens=32, output_tokens=8,
-      rate=4.0, seed=0))
-  if arg == 'tiny':
+      kind='shared_prefix', tenants=8, prefix_tokens=256, question_tokens=32, output_tokens=8,
+      requests=60, rate=10.0, seed=0,
+      path=MOONCAKE, start=0, length_scale=1 / 32, time_scale=0.2))  # (kind='mooncake')
+  if arg == 'slice':
     config.model.source = 'random'
+  elif arg == 'tiny':
+    config.model.source = 'random'
+    config.pool.num_blocks = 256
     config.serve.update(dict(replicas=2, concurrency=4, routers=(
         ('ray_pow2', 'ray_pow2', {}), ('ray_prefix', 'ray_prefix', {}),
         ('precise', 'precise', {}))))
-    config.workload.update(dict(kind='shared_prefix', requests=12, tenants=3, prefix_tokens=64,
-                                question_tokens=16, output_tokens=4, rate=8.0))
+    config.workload.update(dict(requests=12, tenants=3, prefix_tokens=64, question_tokens=16,
+                                output_tokens=4, rate=8.0))
   elif arg:
-    raise ValueError(f'configs/serve.py: unknown variant {arg!r}; allowed: tiny')
+    raise ValueError(f'configs/serve.py: unknown variant {arg!r}; allowed: slice, tiny')
   config.variant = arg or 'full'
   return config

@@ -11,7 +11,8 @@ engine figures. TTFT is wall time from a request's scheduled arrival to its firs
 event, on this machine under its load (recorded): compare routers within one run, not with
 other machines. The hit rate (prompt tokens found in the replicas' prefix caches) does not
 depend on the machine's speed, only on where requests went and in what order they ran.
-Every router's greedy tokens are compared with the first router's, request by request.
+Every request's greedy tokens are compared with one engine's (all requests in one generate
+call in this process, which also fills the replicas' compilation cache first).
 
 With serve.simulate, the pagedjax router rows are also replayed on the simulated cluster
 (pagedjax/cluster/sim.py: the same engine host code, the same pool, the model's shape on
@@ -23,9 +24,11 @@ Writes to WORKDIR:
   routers.csv    per router: live and simulated figures
   table.md       the routers table
   serve.png      hit rate (live, simulated) and TTFT p50/p90 per router
-  summary.json   everything above, the load average, start times, config, versions, git state
+  summary.json   everything above, the load averages at start and end, start times, config,
+                 versions, git state
 """
 import concurrent.futures
+import dataclasses
 import os
 import time
 
@@ -39,11 +42,11 @@ from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster
 from pagedjax.config import Config, ConfigError
 
 REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'latency_s',
-                   'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_first')
+                   'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_single')
 ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
-                  'same_tokens_as_first', 'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
+                  'same_tokens_as_single', 'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
                   'sim_prompt_tokens_computed', 'sim_ttft_p90_s')
 WORKLOADS = ('mooncake', 'shared_prefix')
 
@@ -65,6 +68,8 @@ def check(config) -> None:
   for name in ('replicas', 'concurrency', 'max_ongoing_requests'):
     if not isinstance(s[name], int) or s[name] < 1:
       fail(f'serve.{name}', s[name], 'an integer >= 1')
+  if not s.sim_time_scale > 0:
+    fail('serve.sim_time_scale', s.sim_time_scale, 'a number > 0')
   for name in ('request_timeout_s', 'start_timeout_s'):
     if not s[name] > 0:
       fail(f'serve.{name}', s[name], 'seconds > 0')
@@ -157,6 +162,28 @@ def replay(url: str, requests, concurrency: int, timeout_s: float) -> list:
   return results
 
 
+def share_compilation_cache(directory: str) -> None:
+  """JAX's persistent compilation cache in `directory` (unless one is set already) for this
+  process (jax is imported: its config) and the processes it starts (the environment)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  directory = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', directory)
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  jax.config.update('jax_compilation_cache_dir', directory)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                    float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
+
+
+def single_engine_tokens(typed, requests) -> dict:
+  """request id -> one engine's greedy tokens for it (all requests in one generate call). Run
+  in this process before any deployment: it also compiles the programs the replicas will ask
+  for into the shared compilation cache, so no router's TTFT pays for compiling them first."""
+  engine = factory.build_engine(typed)
+  done = engine.generate([r.prompt_ids for r in requests],
+                         dict(max_new_tokens=max(r.max_new_tokens for r in requests),
+                              temperature=0.0, stop_on_eos=False))
+  return {r.request_id: c.output_ids[:r.max_new_tokens] for r, c in zip(requests, done)}
+
+
 def quantile(values, q):
   values = [v for v in values if v is not None]
   return float(np.percentile(values, q)) if values else None
@@ -220,14 +247,17 @@ def model_shape(config) -> sizing.ModelShape:
 
 
 def simulated_router(config, row, requests) -> dict:
-  """The same requests on SimulatedCluster replicas of the same pool and model shape."""
+  """The same requests on SimulatedCluster replicas of the same pool and model shape, arrival
+  times multiplied by serve.sim_time_scale (a simulated accelerator serves the tiny model in
+  milliseconds: at the trace's own times its replicas are idle at every arrival)."""
   from pagedjax.sim import hardware, simulated_device  # pylint: disable=import-outside-toplevel
   typed = Config.from_configdict(config)
   hw, shape = hardware.get_hardware(config.serve.sim_hardware), model_shape(config)
   engines = [simulated_device.simulated_engine(shape, hw, typed)
              for _ in range(config.serve.replicas)]
   cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])))
-  cluster.run(requests)
+  scale = config.serve.sim_time_scale
+  cluster.run([dataclasses.replace(r, arrival_time=r.arrival_time * scale) for r in requests])
   f = cluster.figures()
   return {'sim_prefix_hit_rate_tokens': f['prefix_hit_rate_tokens'],
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
@@ -268,37 +298,37 @@ def study(config, workdir: str) -> dict:
   title = (f'{s.replicas} x {typed.model.source} replicas on Ray Serve, {len(requests)} '
            f'{config.workload.kind} requests')
   print(f'{title} ({dropped} left out as longer than max_seq_len)', flush=True)
-  routers, rows, first = [], [], None
-  # one Ray for every router's deployment; its replicas share a compilation cache (inherited
-  # through the environment), so only the first deployment compiles
-  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.path.join(workdir, 'jit-cache'))
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-  with serve_lib.ray_started():
+  routers, rows = [], []
+  # One compilation cache for this process and every replica (they inherit the environment):
+  # the single engine compiles first, the replicas load what it compiled.
+  share_compilation_cache(os.path.join(workdir, 'jit-cache'))
+  single = single_engine_tokens(typed, requests)
+  with serve_lib.ray_started():  # one Ray for every router's deployment
     live = [live_router(config, typed, tokenizer, row, requests) for row in s.routers]
   for row, (figures, mine) in zip(s.routers, live):
-    if first is None:
-      first = {r['request_id']: r['tokens'] for r in mine}
     for r in mine:
-      r['same_tokens_as_first'] = r['status'] == 200 and r['tokens'] == first.get(r['request_id'])
-    figures['same_tokens_as_first'] = float(np.mean([r['same_tokens_as_first'] for r in mine]))
+      r['same_tokens_as_single'] = r['status'] == 200 and r['tokens'] == single[r['request_id']]
+    figures['same_tokens_as_single'] = float(np.mean([r['same_tokens_as_single'] for r in mine]))
     if s.simulate and row[1] not in serve_lib.RAY_ROUTERS:
       figures.update(simulated_router(config, row, requests))
     routers.append(figures)
     rows += mine
   run_info.write_csv(os.path.join(workdir, 'requests.csv'), rows, REQUEST_COLUMNS)
   run_info.write_csv(os.path.join(workdir, 'routers.csv'), routers, ROUTER_COLUMNS)
-  table = (f'{title}; TTFT and latency are wall seconds on this machine under load '
-           f'{load_before[0]:.1f}\n\n{run_info.markdown_table(routers, ROUTER_COLUMNS)}\n')
+  load_after = os.getloadavg()
+  table = (f'{title}; TTFT and latency are wall seconds on this machine (1-minute load '
+           f'average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)\n\n'
+           f'{run_info.markdown_table(routers, ROUTER_COLUMNS)}\n')
   with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
     f.write(table)
   print(table)
   plot(routers, workdir, title)
   summary = {
       'setting': title, 'requests': len(requests), 'left_out_too_long': dropped,
-      'routers': routers, 'tokens_equal_across_routers': all(r['same_tokens_as_first']
-                                                               for r in rows),
-      'timing_note': 'wall time on this machine under its load (load_average)',
-      'load_average': {'start': load_before, 'end': os.getloadavg()},
+      'routers': routers, 'tokens_equal_to_single_engine': all(r['same_tokens_as_single']
+                                                                for r in rows),
+      'timing_note': 'wall time on this machine under its load (load_average_run)',
+      'load_average_run': {'start': load_before, 'end': load_after},
       **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   return summary

@@ -5,6 +5,7 @@ deployment of the tiny random model behind the precise router answers OpenAI-sha
 the replicas' KV events); a replica killed mid-request has its request finished on the other
 with the same tokens, and the router forgets it. One deployment for the module, always shut
 down (Ray included); every wait bounded."""
+import re
 import threading
 import time
 
@@ -16,6 +17,7 @@ from configs import serve as serve_config
 from experiments import serve as serve_study
 from pagedjax import factory
 from pagedjax.cluster import serve as serve_lib
+from pagedjax.config import ConfigError
 
 TIMEOUT_S = 60.0
 PREFIX = ('In the beginning God created the heaven and the earth. And the earth was without '
@@ -112,3 +114,22 @@ def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup)
   assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
   _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
   assert victim not in states  # the router told the bus to forget it (and cleared its blocks)
+
+
+def test_study_config_errors_are_named_and_requests_share_prefixes():
+  config = serve_config.get_config('tiny')
+  serve_study.check(config)
+  for field, value, says in (('serve.replicas', 0, 'config.serve.replicas=0'),
+                             ('workload.kind', 'sharegpt', "one of ('mooncake'"),
+                             ('serve.routers', (('x', 'no_such_router', {}),), 'no_such_router')):
+    bad = serve_config.get_config('tiny')
+    section, name = field.split('.')
+    bad[section][name] = value
+    with pytest.raises(ConfigError, match=re.escape(says)):
+      serve_study.check(bad)
+  requests, dropped = serve_study.make_requests(config, 97)
+  w = config.workload
+  assert len(requests) == w.requests and dropped == 0
+  prefixes = {tuple(r.prompt_ids[:w.prefix_tokens]) for r in requests}
+  assert 1 < len(prefixes) <= w.tenants
+  assert all(len(r.prompt_ids) == w.prefix_tokens + w.question_tokens for r in requests)
