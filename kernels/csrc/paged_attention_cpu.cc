@@ -56,24 +56,31 @@ struct Problem {
   float* part_m;    // [B, Hkv, S, R]
   float* part_l;    // [B, Hkv, S, R]
 
-  // Floats of scratch one task uses (see attend_task): q and acc rows, m, l, a block's
-  // scores, one widened row, and the per-row token counts (ints, float-sized).
+  // Floats of scratch one task uses (the body's Scratch): q and acc rows, m, l, a block's
+  // scores, its widened K / V scales and rows, and the per-row token counts (ints,
+  // float-sized).
   int64_t work_floats() const {
     const int64_t R = int64_t(num_q) * group;
-    return R * (2 * head_dim + 3 + block_size) + head_dim;
+    return R * (2 * head_dim + 3 + block_size) + 2 * int64_t(block_size) * (head_dim + 1);
   }
 };
 
 namespace generic {
+#define PAGEDJAX_AVX2 0
 #include "paged_attention_cpu_body.inc"
+#undef PAGEDJAX_AVX2
 }  // namespace generic
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// -DPAGEDJAX_BASELINE_ONLY builds the baseline copy alone (to test it on an AVX2 machine).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(PAGEDJAX_BASELINE_ONLY)
 #define PAGEDJAX_HAVE_AVX2_COPY 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
+#define PAGEDJAX_AVX2 1
 #include "paged_attention_cpu_body.inc"
+#undef PAGEDJAX_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -89,11 +96,11 @@ bool use_avx2() {
 #endif
 }
 
-TaskFn task_for(ffi::DataType kv, ffi::DataType scale) {
+TaskFn task_for(ffi::DataType kv, ffi::DataType scale, int head_dim) {
 #ifdef PAGEDJAX_HAVE_AVX2_COPY
-  if (use_avx2()) return avx2::task_for(kv, scale);
+  if (use_avx2()) return avx2::task_for(kv, scale, head_dim);
 #endif
-  return generic::task_for(kv, scale);
+  return generic::task_for(kv, scale, head_dim);
 }
 
 void merge(const Problem& P, int b, int h) {
@@ -173,7 +180,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                                        " is outside the pool's " +
                                        std::to_string(P.num_layers) + " layers");
   }
-  const TaskFn task = task_for(k.element_type(), k_scales.element_type());
+  const TaskFn task = task_for(k.element_type(), k_scales.element_type(), P.head_dim);
   if (task == nullptr) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: unsupported block/scale dtypes");
   }
