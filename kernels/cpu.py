@@ -14,16 +14,23 @@ the context is split (flash-decoding) into splits of at least 256 tokens, merged
 contract.merge_split_states does; `context_splits` forces a count. The layer index is a 1-element
 int32 operand, so the model's layer scan can pass a traced one.
 
-Vectorization without -march=native: the loops are plain C++ that GCC vectorizes at -O3, the
-two reductions (q.k and the softmax sum) marked `#pragma omp simd reduction`, which
--fopenmp-simd honours with no OpenMP runtime. No -ffast-math: it would license reassociation
-everywhere, let the compiler assume no NaN/inf (the masking's premise), and linking with it sets
-flush-to-zero for the whole process. The body is compiled twice in one library, for the
+Vectorization without -march=native: the body is compiled twice in one library, for the
 baseline ISA and (x86-64, GCC) under `#pragma GCC target("avx2,fma")`; the copy is picked at load
 time from the CPU's flags (`uses_avx2()` reports which), so a library built on one machine runs
-on any x86-64 and AVX2 machines get 8-wide FMA loops. exp is a vectorizable Cephes polynomial
-(about 1 ulp); float16 / fp8 widening builds subnormals from an exact int->float conversion, so
-XLA threads running with denormals-are-zero still get them right.
+on any x86-64 and AVX2 machines get 8-wide FMA loops. head_dim 64 and 128 (compile-time
+constants) run on explicit GCC/Clang vectors, 8 floats in the AVX2 copy and 4 in the baseline
+one: a block's scores kLanes tokens at a time, q . k accumulated per token over D / kLanes chunks
+and reduced by one transpose; the online-softmax step once per row and block; p @ V with a tile
+of up to 4 rows that see the same tokens holding its accumulators in registers across the
+block's tokens (acc is loaded, scaled by the block's alpha, and stored once per block, not per
+token); the next block's K and V prefetched through the block table. Other head dims run plain
+loops GCC vectorizes at -O3, the reductions marked `#pragma omp simd reduction`, which
+-fopenmp-simd honours with no OpenMP runtime. No -ffast-math: it would license reassociation
+everywhere, let the compiler assume no NaN/inf (the masking's premise), and linking with it sets
+flush-to-zero for the whole process. exp is a vectorizable Cephes polynomial (about 1 ulp);
+float16 / fp8 widening builds subnormals from an exact int->float conversion, so XLA threads
+running with denormals-are-zero still get them right. Building with -DPAGEDJAX_BASELINE_ONLY
+leaves the AVX2 copy out (to test the baseline copy on an AVX2 machine).
 
 Build: compiled with the C++ compiler (`$CXX`, default g++) at first use into
 `~/.cache/pagedjax/kernels/` (`$PAGEDJAX_KERNEL_CACHE` overrides the directory), named by a hash
