@@ -46,12 +46,11 @@ import collections
 import contextlib
 import dataclasses
 import json
-import os
 import socket
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence as Seq
+from typing import Dict, List, Optional
 
 import ray
 from ray import serve
