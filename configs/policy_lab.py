@@ -20,7 +20,7 @@ import ml_collections
 
 TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
 ROWS = ['lru', 'lfu', 'session_lru', 'session_lfu', 'leaves_first', 'gdsf', 's3fifo',
-        'session_recency', 'reuse_oracle', 'belady']
+        'session_recency', 'hit_density', 'reuse_oracle', 'belady']
 
 
 def get_config(arg=None):
@@ -32,7 +32,8 @@ def get_config(arg=None):
       rows=list(ROWS),
       tune={'session_recency': [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
             's3fifo': [0.05, 0.1, 0.2, 0.4],
-            'gdsf': [0.0, 0.02, 0.1, 0.5]}))
+            'gdsf': [0.0, 0.02, 0.1, 0.5],
+            'hit_density': [2.0, 8.0, 32.0]}))
   if arg == 'tiny':
     config.variant = 'tiny'
     config.lab.update(dict(limit=300, capacities=[1e5, 3e5, 1e6], gap_capacity=3e5,

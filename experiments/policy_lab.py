@@ -75,6 +75,7 @@ ROWS = {
     'gdsf': ('gdsf', False),
     's3fifo': ('s3fifo', False),
     'session_recency': ('session_recency', True),
+    'hit_density': ('hit_density', True),
     'reuse_oracle': ('reuse_oracle', False),
     'belady': ('belady', False),
 }
@@ -86,6 +87,7 @@ TUNABLE = {
     'session_recency': 'turn_bonus_capacities',
     's3fifo': 'small_share',
     'gdsf': 'attention_weight',
+    'hit_density': 'prior_weight',
 }
 CURVE_COLUMNS = ('row', 'capacity_tokens', 'hit_rate', 'regret', 'gap_closed', 'hit_tokens',
                  'prompt_tokens', 'evictions', 'host_s', 'host_us_per_request')

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from configs import policy_lab as lab_config
 from experiments import policy_lab as lab
+from pagedjax.host import policies
 from pagedjax.workloads import BlockTraceRecord
 
 ONLINE_ROWS = [row for row in lab.ROWS if row not in lab.OFFLINE]
@@ -95,3 +96,29 @@ def test_check_names_the_bad_field(field, value, message):
   config.lab[field] = value
   with pytest.raises(lab.config_lib.ConfigError, match=f'config.lab.{field}=.*{message}'):
     lab.check(config)
+
+
+def test_hit_density_learns_when_blocks_come_back():
+  """Every block is read again exactly 150 releases after its own (a think time), one never
+  is: the learned density rises with age up to the reuse and is zero past it, so the block
+  past any reuse goes first, then the newest (furthest from its reuse), and the blocks about to
+  be read go last; LRU would evict those first."""
+  queue = policies.HitDensity()
+  queue.refit_every = 64
+  queue.admit('stale', depth=0, chain_key=-1)
+  queue.push('stale')
+  for step in range(2000):
+    queue.admit(step, depth=0, chain_key=step)
+    queue.push(step)
+    if step >= 150:  # read again: taken by a sequence, and held from then on
+      queue.hit(step - 150)
+      assert queue.discard(step - 150)
+  density = queue.density[0]
+  young, due, past = (queue._bin(a) for a in (5, 140, 400))  # pylint: disable=protected-access
+  assert density[young] < density[due] and density[past] == 0
+  idle = sorted(queue.keys(), key=str)
+  order = queue.ranked(idle)
+  assert order[0] == 'stale' and order[1] == 1999
+  bins = [queue._bin(1999 - k) for k in order[1:]]  # pylint: disable=protected-access
+  assert bins == sorted(bins) and bins[-1] == due  # the youngest bins go first
+  assert queue.pop() == 'stale' and queue.pop() == 1999

@@ -480,6 +480,297 @@ class ReuseOracle(Belady):
     return (0 if math.isinf(self.next_use(key)) else 1, _session_major(tick, session), tick)
 
 
+class HitDensity(EvictionQueue):
+  """Least expected hit density, learned online from the cache's own traffic (after LHD,
+  Beckmann et al., NSDI 2018): the idle block with the fewest expected hits per unit of cache
+  space-time from now on goes first.
+
+  A block's class is its conversation's turn count (its session's turns; without a session, or
+  for a block shared by several sessions, its own hits + 1), bucketed 1, 2, 3, 4, 5-8, 9-32,
+  33+; its age counts ticks since its session's last turn ended (without a session, since its
+  release). For each class the queue estimates the hazard of reuse by age (Kaplan-Meier over
+  geometric age bins): an observation opens when a block is released and closes when it is
+  read again (a hit while idle, or its content cached again after an eviction: a ghost list by
+  chain key remembers evicted blocks) or is censored (the ghost is forgotten, or the block is
+  taken without a hit). From the hazard, the density of a block in class c at age a is the best
+  ratio over horizons L of expected reuses in [a, L) to the expected block-ticks it occupies
+  until then. A conversation's next turn rarely comes within seconds of the last (a user reads
+  and types), so a just-released block has a low density until its think time has passed, and
+  an old one a low density once its conversation has likely ended: the queue keeps the blocks
+  in between, where LRU keeps the newest. Ties within a (class, age bin) go the way the density
+  falls (the younger end when density rises with age), deepest first among blocks of the same
+  release, so a block does not outlive its parent.
+
+  Until the first fit (and for bins no block has reached) every density is 0 and the oldest bin
+  goes first: LRU by bins. Densities are refit every `refit_every` closed observations; counts
+  halve every `half_life` observations."""
+
+  first_edge = 16  # ticks: the first age bin is [0, first_edge)
+  bin_ratio = 2 ** 0.5  # geometric age bins
+  num_bins = 44
+  ghost_factor = 8  # remembers up to ghost_factor x cached entries evicted blocks
+  refit_every = 2048
+  half_life = 100_000.0
+  prior_weight = 8.0  # pseudo-observations of the pooled hazard added to each class's bin
+  CLASS_OF_TURNS = (0, 0, 1, 2, 3, 4, 4, 4, 4) + (5,) * 24  # index: turns 0..32; above: 6
+  num_classes = 7
+
+  def __init__(self):
+    super().__init__()
+    self._now = -1
+    edges = [0, self.first_edge]
+    while len(edges) < self.num_bins:
+      edges.append(max(edges[-1] + 1, int(math.ceil(edges[-1] * self.bin_ratio))))
+    self._edges = edges  # bin b holds ages [edges[b], edges[b + 1]); the last is unbounded
+    self._widths = [b - a for a, b in zip(edges, edges[1:])] + [edges[-1]]
+    self._seq = itertools.count()
+    self.depth: Dict[Hashable, int] = {}
+    self.hits: Dict[Hashable, int] = {}
+    self._chain: Dict[Hashable, object] = {}
+    self._entry: Dict[Hashable, tuple] = {}  # idle key -> (r, -depth, seq, key, class)
+    self._parked: Dict[Hashable, tuple] = {}  # passed over by can_evict until requeue
+    self._lists: List[List[tuple]] = [[] for _ in range(self.num_classes)]  # sorted entries
+    self._open: Dict[Hashable, Tuple[int, int]] = {}  # key -> (class, r): observation open
+    self._ghosts: Dict[object, Tuple[int, int]] = {}  # chain key -> (class, r), oldest first
+    self._reuse = [[0.0] * self.num_bins for _ in range(self.num_classes)]
+    self._censor = [[0.0] * self.num_bins for _ in range(self.num_classes)]
+    self._closed = 0
+    self._group = (None, None)  # (depth, r) of the last push without a session
+    self.density = [[0.0] * self.num_bins for _ in range(self.num_classes)]
+    self._order = [self._bin_order(c) for c in range(self.num_classes)]
+    self._younger_first = [[False] * self.num_bins for _ in range(self.num_classes)]
+
+  # ---- the clock, classes, ages ----
+
+  def tick(self) -> int:
+    self._now = next(self._clock)
+    return self._now
+
+  def _bin(self, age: int) -> int:
+    return bisect.bisect_right(self._edges, age) - 1
+
+  def _class(self, key, session) -> int:
+    hits = self.hits.get(key, 0)
+    turns = session[0] if session is not None and hits <= session[0] else hits + 1
+    return self.CLASS_OF_TURNS[turns] if turns < len(self.CLASS_OF_TURNS) else 6
+
+  # ---- learning ----
+
+  def _close(self, key, reused: bool) -> None:
+    opened = self._open.pop(key, None)
+    if opened is not None:
+      self._count(opened, reused)
+
+  def _count(self, opened, reused: bool) -> None:
+    c, r = opened
+    (self._reuse if reused else self._censor)[c][self._bin(max(self._now - r, 0))] += 1.0
+    self._closed += 1
+    if self._closed % self.refit_every == 0:
+      self._refit()
+
+  def _refit(self) -> None:
+    keep = 0.5 ** (self.refit_every / self.half_life)
+    for counts in (self._reuse, self._censor):
+      for row in counts:
+        row[:] = [x * keep for x in row]
+    B, C = self.num_bins, self.num_classes
+    # Kaplan-Meier: a block still observed (idle, or a remembered ghost) has survived to its
+    # current age without reuse, so it counts as censored there, for this fit only.
+    censor = [row[:] for row in self._censor]
+    for c, r in itertools.chain(self._open.values(), self._ghosts.values()):
+      censor[c][self._bin(max(self._now - r, 0))] += 1.0
+    pooled_reuse = [sum(self._reuse[c][b] for c in range(C)) for b in range(B)]
+    pooled_out = [pooled_reuse[b] + sum(censor[c][b] for c in range(C)) for b in range(B)]
+    pooled = self._hazard(pooled_reuse, pooled_out, [0.0] * B, 0.0)
+    for c in range(C):
+      out = [self._reuse[c][b] + censor[c][b] for b in range(B)]
+      hazard = self._hazard(self._reuse[c], out, pooled, self.prior_weight)
+      self.density[c] = self._densities(hazard)
+      self._order[c] = self._bin_order(c)
+      d = self.density[c]
+      self._younger_first[c] = [b + 1 < B and d[b + 1] > d[b] for b in range(B)]
+
+  @staticmethod
+  def _hazard(reuse, out, prior, weight) -> List[float]:
+    """P(reuse in bin b | not reused before it), with `weight` pseudo-observations of prior."""
+    hazard, at_risk = [0.0] * len(reuse), 0.0
+    for b in range(len(reuse) - 1, -1, -1):
+      at_risk += out[b]
+      if at_risk + weight > 0:
+        hazard[b] = (reuse[b] + weight * prior[b]) / (at_risk + weight)
+    return hazard
+
+  def _densities(self, hazard) -> List[float]:
+    """Per bin a: max over horizons L >= a of E[reuses in bins a..L] / E[ticks held until]."""
+    B, out = len(hazard), []
+    for a in range(B):
+      alive, hits, space, best = 1.0, 0.0, 0.0, 0.0
+      for x in range(a, B):
+        hits += alive * hazard[x]
+        space += alive * self._widths[x] * (1.0 - hazard[x] / 2)
+        alive *= 1.0 - hazard[x]
+        if space > 0:
+          best = max(best, hits / space)
+        if alive < 1e-9:
+          break
+      out.append(best)
+    return out
+
+  def _bin_order(self, c) -> List[int]:
+    """Class c's bins, lowest density first (the older bin first among equals: LRU)."""
+    return sorted(range(self.num_bins), key=lambda b: (self.density[c][b], -b))
+
+  # ---- events ----
+
+  def admit(self, key, depth=0, chain_key=None):
+    self.depth[key] = depth
+    self.hits[key] = 0
+    name = key if chain_key is None else chain_key
+    self._chain[key] = name
+    ghost = self._ghosts.pop(name, None)
+    if ghost is not None:  # evicted, and now read again: a reuse it would have served
+      self._count(ghost, True)
+
+  def hit(self, key):
+    if key in self._entry or key in self._parked:
+      self._close(key, True)
+    self.hits[key] = self.hits.get(key, 0) + 1
+
+  def push(self, key, session=None):
+    self._unqueue(key)
+    self._close(key, False)  # pushed again without a hit (a tier's re-use counts as a hit)
+    if session is not None:
+      r = session[1]
+      self._group = (None, None)
+    else:  # one release of a sequence pushes its blocks tail first: they age as one
+      depth, last_r = self._group
+      here = self.depth.get(key, 0)
+      r = last_r if depth is not None and here < depth else self._now + 1
+      self._group = (here, r)
+    self.tick()
+    c = self._class(key, session)
+    entry = (r, -self.depth.get(key, 0), next(self._seq), key, c)
+    self._entry[key] = entry
+    self._open[key] = (c, r)
+    self._insert(entry)
+
+  def _insert(self, entry) -> None:
+    bisect.insort(self._lists[entry[4]], entry)
+
+  def _delete(self, entry) -> None:
+    entries = self._lists[entry[4]]
+    del entries[bisect.bisect_left(entries, entry)]
+
+  def _unqueue(self, key) -> bool:
+    entry = self._entry.pop(key, None)
+    if entry is not None:
+      self._delete(entry)
+      return True
+    return self._parked.pop(key, None) is not None
+
+  def discard(self, key) -> bool:
+    was = self._unqueue(key)
+    self._close(key, False)  # taken without a hit (pinned): no reuse seen
+    return was
+
+  def remove(self, key):
+    self._unqueue(key)
+    opened = self._open.pop(key, None)
+    name = self._chain.pop(key, key)
+    if opened is not None:  # evicted while idle: remembered, to learn whether it comes back
+      self._ghosts.pop(name, None)
+      self._ghosts[name] = opened
+      bound = self.ghost_factor * max(len(self.depth), 64)
+      while len(self._ghosts) > bound:
+        oldest = next(iter(self._ghosts))
+        self._count(self._ghosts.pop(oldest), False)
+    self.depth.pop(key, None)
+    self.hits.pop(key, None)
+
+  # ---- questions ----
+
+  def _candidate(self, c, b, skip):
+    """Class c's next victim in age bin b, or None: from the end where density is lower (the
+    youngest release when it rises with age), deepest block first within a release."""
+    entries, now = self._lists[c], self._now
+    hi = self._edges[b + 1] if b + 1 < self.num_bins else math.inf
+    lo_i = 0 if math.isinf(hi) else bisect.bisect_left(entries, (now - hi + 1,))
+    hi_i = bisect.bisect_right(entries, (now - self._edges[b], math.inf))
+    if self._younger_first[c][b]:
+      i = hi_i - 1
+      while i >= lo_i and entries[i][3] in skip:
+        i -= 1
+      if i < lo_i:
+        return None
+      for k in range(bisect.bisect_left(entries, (entries[i][0],), lo_i, i + 1), i + 1):
+        if entries[k][3] not in skip:
+          return entries[k]
+    for i in range(lo_i, hi_i):
+      if entries[i][3] not in skip:
+        return entries[i]
+    return None
+
+  def _victim(self, skip=()):
+    """The current entry of lowest density (the oldest bin among equals), skip excepted."""
+    best = None
+    for c, entries in enumerate(self._lists):
+      if not entries:
+        continue
+      oldest = self._bin(max(self._now - entries[0][0], 0))
+      youngest = self._bin(max(self._now - entries[-1][0], 0))
+      for b in self._order[c]:
+        if not youngest <= b <= oldest:
+          continue
+        rank = (self.density[c][b], -b)
+        if best is not None and rank >= best[0]:
+          break
+        entry = self._candidate(c, b, skip)
+        if entry is not None:
+          best = (rank, entry)
+          break
+    return None if best is None else best[1]
+
+  def pop(self, can_evict=None):
+    passed, victim = set(), None
+    while victim is None:
+      entry = self._victim(passed)
+      if entry is None:
+        break
+      if can_evict is None or can_evict(entry[3]):
+        victim = entry[3]
+        del self._entry[victim]
+        self._delete(entry)
+      else:
+        passed.add(entry[3])
+    for key in passed:  # passed over: out of the running until requeue(key)
+      self._parked[key] = self._entry.pop(key)
+      self._delete(self._parked[key])
+    return victim
+
+  def requeue(self, key):
+    entry = self._parked.pop(key, None)
+    if entry is not None:
+      self._entry[key] = entry
+      self._insert(entry)
+
+  def _rank_key(self, key):
+    entry = self._entry.get(key) or self._parked[key]
+    c, b = entry[4], self._bin(max(self._now - entry[0], 0))
+    young = self._younger_first[c][b]
+    return (self.density[c][b], -b, -entry[0] if young else entry[0], entry[1], entry[2])
+
+  def ranked(self, keys):
+    return sorted((k for k in keys if k in self), key=self._rank_key)
+
+  def keys(self):
+    return list(self._entry) + list(self._parked)
+
+  def __contains__(self, key) -> bool:
+    return key in self._entry or key in self._parked
+
+  def __len__(self) -> int:
+    return len(self._entry) + len(self._parked)
+
 def _is_queue_class(obj) -> bool:
   return isinstance(obj, type) and issubclass(obj, EvictionQueue)
 
@@ -491,6 +782,7 @@ EVICTION.register('leaves_first', LeavesFirstLRU)
 EVICTION.register('gdsf', GDSF)
 EVICTION.register('session_recency', SessionRecency)
 EVICTION.register('s3fifo', S3FIFO)
+EVICTION.register('hit_density', HitDensity)
 EVICTION.register('belady', Belady)
 EVICTION.register('reuse_oracle', ReuseOracle)
 
