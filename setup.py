@@ -1,4 +1,7 @@
-"""pagedjax: LLM decoding in JAX with a paged KV cache (library `pagedjax`, kernels `kernels`).
+"""pagedjax: LLM decoding in JAX with a paged KV cache (library `pagedjax`, kernels `pagedjax.kernels`).
+
+The kernels live in the top-level kernels/ folder; pagedjax/kernels is a link to it, so they install
+and import as `pagedjax.kernels` and never as a top-level `kernels` (a name other libraries use).
 
 Experiments run from the repo root as `python -m experiments.NAME`; configs live in configs/.
 """
@@ -8,12 +11,13 @@ setup(
     name='pagedjax',
     version='0.1.0',
     description='A readable JAX decode loop with a paged KV cache, for ablations',
-    # Every subpackage of the library and the kernels; tests, experiments and configs run from
-    # the repo and are not installed (tests/test_packaging.py builds a wheel and checks).
-    packages=find_packages(include=['pagedjax', 'pagedjax.*', 'kernels', 'kernels.*']),
+    # Every subpackage of the library, the kernels included (through the pagedjax/kernels link);
+    # tests, experiments and configs run from the repo and are not installed
+    # (tests/test_packaging.py builds a wheel and checks).
+    packages=find_packages(include=['pagedjax', 'pagedjax.*']),
     # The native CPU kernel's C++ sources: kernels/cpu.py compiles them at first use (into
     # ~/.cache/pagedjax/kernels, against the installed jaxlib's FFI headers), not at install.
-    package_data={'kernels': ['csrc/*.cc', 'csrc/*.inc']},
+    package_data={'pagedjax.kernels': ['csrc/*.cc', 'csrc/*.inc']},
     python_requires='>=3.11',
     install_requires=[line.strip() for line in open('requirements.txt')
                       if line.strip() and not line.startswith('#')],

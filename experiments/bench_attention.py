@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
-import kernels.xla
+from pagedjax import kernels
+import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
 from experiments import cli
 from pagedjax import run_info
 from pagedjax.config import ConfigError
@@ -279,7 +279,7 @@ def study(config, workdir):
             flush=True)
   cpu_kernel = None
   if 'cpu' in impls:
-    from kernels import cpu  # pylint: disable=import-outside-toplevel
+    from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
     cpu_kernel = dict(avx2=cpu.uses_avx2(), library=cpu.library_path())
   summary = dict(figures=figures, impls=impls, memory_traffic_bytes=memory.nbytes,
                  cpu_kernel=cpu_kernel, load_average_1m=os.getloadavg()[0],

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+from pagedjax import kernels
 from experiments import cli
 from experiments import plain_step
 from pagedjax import factory, run_info, text_data

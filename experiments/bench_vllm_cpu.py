@@ -56,7 +56,7 @@ def export_and_time(config, workdir, batches, prompt_len, output_len, rounds, se
   """Writes hf_model/, prompts.json and pagedjax.json (see the module docstring)."""
   from experiments import bench_decode  # pylint: disable=import-outside-toplevel
   from pagedjax import factory, run_info  # pylint: disable=import-outside-toplevel
-  import kernels  # pylint: disable=import-outside-toplevel
+  from pagedjax import kernels  # pylint: disable=import-outside-toplevel
 
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
   engine = factory.make_engine(config, model_cfg, params, tokenizer)

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
-import kernels.xla
+from pagedjax import kernels
+import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
 from pagedjax.config import ConfigError
 from pagedjax.host.step_inputs import RowSpec, build_step_inputs
 

@@ -22,7 +22,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from kernels import contract
+from . import contract
 
 # Concrete paths; `impl='auto'` (not listed) resolves to one of them, see best_impl().
 IMPLS = ('reference', 'xla', 'cpu', 'pallas_tpu', 'pallas_gpu', 'triton')
@@ -45,7 +45,7 @@ def best_impl(backend=None):
 def cpu_kernel_available():
   """Whether the native CPU kernel builds (or is built) and loads here (kernels/cpu.py; the first
   call may compile it)."""
-  return importlib.import_module('kernels.cpu').available()
+  return importlib.import_module(f'{__name__}.cpu').available()
 
 
 def runs_on(impl, backend=None):
@@ -98,6 +98,6 @@ def paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positio
     impl = _resolve_auto(k_blocks)
   if impl not in IMPLS:
     raise ValueError(f'attention impl {impl!r} is not one of {IMPLS + ("auto",)}')
-  fn = getattr(importlib.import_module(f'kernels.{impl}'), f'paged_attention_{impl}')
+  fn = getattr(importlib.import_module(f'{__name__}.{impl}'), f'paged_attention_{impl}')
   return fn(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, scale=scale,
             k_scales=k_scales, v_scales=v_scales, layer=layer)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import contract
+from . import contract
 
 TARGET = 'pagedjax_paged_attention_cpu'
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')

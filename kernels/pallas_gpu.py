@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 import jax.numpy as jnp
 
-from kernels import contract
+from . import contract
 
 
 # ------------------------------------------------------------------------------------------------

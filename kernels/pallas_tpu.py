@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 
-from kernels import contract
+from . import contract
 
 
 # ------------------------------------------------------------------------------------------------

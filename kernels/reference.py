@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import contract
+from . import contract
 
 
 def paged_attention_reference(q, k_blocks, v_blocks, block_tables, context_lens, q_positions,

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import contract
+from . import contract
 
 try:
   import triton

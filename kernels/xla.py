@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import contract, xla_loops
+from . import contract, xla_loops
 
 # Rows (query tokens x heads per KV group) from which scores and outputs use dot_general rather
 # than multiply-and-reduce. Decode has G (1-8) rows; prefill chunks have T*G.

@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import ml_collections
 
-from kernels import IMPLS
+from pagedjax.kernels import IMPLS
 from pagedjax.device import kv_schemes
 from pagedjax.host.block_manager import KINDS as POOL_KINDS
 from pagedjax.host.capacity import ConfigError  # defined without jax: host code raises it too

@@ -11,7 +11,7 @@ import os
 
 import jax
 
-import kernels
+from pagedjax import kernels
 from pagedjax.config import Config, ConfigError, validate_model_shape
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.step import CompiledStep

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-import kernels
+from pagedjax import kernels
 from configs import bench_attention as bench_config
 from experiments import bench_attention, cli
 from pagedjax.config import ConfigError

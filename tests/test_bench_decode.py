@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
+from pagedjax import kernels
 from experiments import plain_step
 from pagedjax.device.step import AUTO_UNROLLED_MIN_ROWS, CompiledStep
 from pagedjax.host.sampling_params import SamplingParams

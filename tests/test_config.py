@@ -1,7 +1,7 @@
 import pytest
 
 from configs import default
-import kernels
+from pagedjax import kernels
 from pagedjax import factory
 from pagedjax.config import ConfigError, validate_config
 

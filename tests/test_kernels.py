@@ -46,9 +46,9 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
-import kernels  # pylint: disable=wrong-import-position
-from kernels import contract  # pylint: disable=wrong-import-position
-from kernels import paged_attention  # pylint: disable=wrong-import-position
+from pagedjax import kernels  # pylint: disable=wrong-import-position
+from pagedjax.kernels import contract  # pylint: disable=wrong-import-position
+from pagedjax.kernels import paged_attention  # pylint: disable=wrong-import-position
 
 PATHS = kernels.IMPLS  # reference, xla, cpu, pallas_tpu, pallas_gpu, triton
 TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2e-2}
@@ -251,7 +251,7 @@ def oracle(args):
 # Running a path
 # ------------------------------------------------------------------------------------------------
 def triton_interpreted():
-  from kernels import triton as kt  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import triton as kt  # pylint: disable=import-outside-toplevel
   from triton.runtime.interpreter import InterpretedFunction  # pylint: disable=import-outside-toplevel
   return isinstance(kt._kernel, InterpretedFunction)  # pylint: disable=protected-access
 
@@ -261,7 +261,7 @@ def triton_launcher():
   (launch_torch) where the kernel is interpreted, else jax_triton (a GPU); skips with the reason
   when neither can run."""
   pytest.importorskip('triton', reason='triton not installed (requirements-kernels.txt)')
-  from kernels import triton as kt  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import triton as kt  # pylint: disable=import-outside-toplevel
   if triton_interpreted():
     pytest.importorskip('torch', reason='the Triton interpreter runs on torch CPU tensors')
     return kt.launch_torch
@@ -273,7 +273,7 @@ def triton_launcher():
 
 def require_cpu_kernel():
   """Skips with the build's reason where the native CPU kernel does not build or load."""
-  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   if jax.default_backend() != 'cpu':
     pytest.skip(f'the cpu path runs on the CPU backend, not {jax.default_backend()}')
   if not cpu.available():
@@ -284,7 +284,7 @@ def wrapper(path):
   """The path's own wrapper, which takes context_splits (the dispatcher does not)."""
   if path == 'triton':
     return triton_launcher()
-  return getattr(importlib.import_module(f'kernels.{path}'), f'paged_attention_{path}')
+  return getattr(importlib.import_module(f'pagedjax.kernels.{path}'), f'paged_attention_{path}')
 
 
 def run(path, args, **kwargs):
@@ -512,7 +512,7 @@ def test_unknown_impl_raises():
 def test_auto_picks_a_native_path(monkeypatch):
   """On CPU, auto is the native kernel where it builds (here it must: g++ is installed; a
   machine without a compiler skips) and xla where it does not."""
-  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   assert kernels.best_impl('tpu') == 'pallas_tpu'
   assert kernels.best_impl('gpu') == 'pallas_gpu'
   assert not kernels.runs_on('cpu', 'gpu')
@@ -535,7 +535,7 @@ def spy_on(monkeypatch, *paths):
   """Records which wrappers the dispatcher calls (it looks them up at call time)."""
   called = []
   for path in paths:
-    module = importlib.import_module(f'kernels.{path}')
+    module = importlib.import_module(f'pagedjax.kernels.{path}')
     fn = getattr(module, f'paged_attention_{path}')
     def wrapped(*a, _fn=fn, _path=path, **kw):
       called.append(_path)
@@ -627,7 +627,7 @@ def test_xla_decode_batch_loops(batch):
   """Decode batches below 2 * MIN_LOOP_ROWS sequences run as one loop, larger ones as two
   batch slices (each stopping at its own longest context): both against the oracle, lengths
   mixed so the two slices' trip counts differ, small blocks and heads to stay quick."""
-  from kernels import xla_loops  # pylint: disable=g-import-not-at-top
+  from pagedjax.kernels import xla_loops  # pylint: disable=g-import-not-at-top
   assert len(xla_loops.batch_bounds(batch, 1)) - 1 == (1 if batch < 64 else 2)
   rng = np.random.default_rng(batch)
   lengths = tuple(int(n) for n in rng.integers(0, 4 * 8 + 1, batch))
@@ -640,7 +640,7 @@ def test_xla_gathers_blocks_straight_into_token_order():
   """The loop's gather (one row per (layer, block, KV head)) gives what gathering whole blocks
   and moving the KV-head axis in front gives, for values [L, N, Hkv, bs, D] and per-token scales
   [L, N, Hkv, bs], at a traced layer, with repeated and null-block entries."""
-  from kernels import xla  # pylint: disable=g-import-not-at-top
+  from pagedjax.kernels import xla  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
   values = rng.standard_normal((3, 7, 2, 4, 5)).astype(np.float32)
   scales = rng.standard_normal((3, 7, 2, 4)).astype(np.float16)
@@ -659,7 +659,7 @@ def test_cpu_splits_its_own_context():
   splits the 2048-token context (at least 256 tokens a split); explicit counts from 1 to more
   splits than blocks (the surplus splits see nothing and weigh 0) all give the oracle's output."""
   require_cpu_kernel()
-  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   spec = Spec('cpu_splits', block_size=64, group=3, max_blocks=33, lengths=(2048,))
   args = build(spec, 5)
   want = oracle(args)
@@ -694,7 +694,7 @@ def test_cpu_build_failures_name_the_compiler_and_its_error(tmp_path, monkeypatc
   """No compiler, or one that fails: build() raises naming it (available() turns that into
   False and the reason; `auto` then stays on xla, see test_auto_picks_a_native_path), and no
   half-written library is left in the cache."""
-  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('PAGEDJAX_KERNEL_CACHE', str(tmp_path / 'cache'))
   with pytest.raises(RuntimeError, match="no working C\\+\\+ compiler '/nonexistent/g\\+\\+'"):
     cpu.build('/nonexistent/g++')
@@ -708,7 +708,7 @@ def test_cpu_library_is_cached_by_sources_compiler_and_jax(tmp_path, monkeypatch
   """The library's name is a hash of the sources, flags, compiler and jax versions: another
   compiler is another file; a built one is reused (not rebuilt)."""
   require_cpu_kernel()
-  from kernels import cpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   path = cpu.library_path()
   assert os.path.exists(path) and path.startswith(cpu.cache_dir())
   mtime = os.path.getmtime(path)
@@ -772,7 +772,7 @@ TPU_LOWERINGS = [('float32', 'float32', 16, 1, 1, False), ('bfloat16', 'bfloat16
 
 @pytest.mark.parametrize('kv_dtype,q_dtype,block_size,num_q,splits,stacked', TPU_LOWERINGS)
 def test_pallas_tpu_lowers_for_tpu(kv_dtype, q_dtype, block_size, num_q, splits, stacked):
-  from kernels import pallas_tpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import pallas_tpu  # pylint: disable=import-outside-toplevel
   spec = Spec('tpu', block_size=block_size, head_dim=128, num_q=num_q, kv_dtype=kv_dtype,
               q_dtype=q_dtype)
   args, kwargs = abstract(spec, layers=3 if stacked else None)
@@ -805,7 +805,7 @@ CUDA_LOWERINGS = [('bfloat16', 16, 1, 1, False), ('bfloat16', 8, 1, 1, False),
 
 @pytest.mark.parametrize('kv_dtype,block_size,num_q,splits,stacked', CUDA_LOWERINGS)
 def test_pallas_gpu_lowers_for_cuda(kv_dtype, block_size, num_q, splits, stacked):
-  from kernels import pallas_gpu  # pylint: disable=import-outside-toplevel
+  from pagedjax.kernels import pallas_gpu  # pylint: disable=import-outside-toplevel
   spec = Spec('cuda', block_size=block_size, num_q=num_q, kv_dtype=kv_dtype, q_dtype='bfloat16')
   args, kwargs = abstract(spec, layers=3 if stacked else None)
   fn = functools.partial(pallas_gpu.paged_attention_pallas_gpu, interpret=False,
@@ -821,7 +821,7 @@ def test_triton_kernel_compiles_for_sm90():
   triton imported under TRITON_INTERPRET=1 cannot compile."""
   pytest.importorskip('triton', reason='triton not installed (requirements-kernels.txt)')
   script = textwrap.dedent("""
-      from kernels.triton import compile_ahead
+      from pagedjax.kernels.triton import compile_ahead
       for block_size, rows, dtype, blocks, splits in [
           (64, 16, 'fp32', None, 1), (16, 32, 'bf16', None, 1), (8, 16, 'fp32', None, 1),
           (16, 16, 'bf16', 'i8', 1), (8, 16, 'fp32', 'i8', 1), (64, 16, 'bf16', 'fp8e4nv', 1),

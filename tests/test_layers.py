@@ -16,7 +16,8 @@ def test_every_host_module_imports_with_jax_unimportable():
   # module that reaches any of them fails to import.
   code = f'''
 import importlib, sys
-BLOCKED = ('jax', 'jaxlib', 'flax', 'kernels', 'pagedjax.device', 'pagedjax.model', 'torch')
+BLOCKED = ('jax', 'jaxlib', 'flax', 'kernels', 'pagedjax.kernels', 'pagedjax.device',
+           'pagedjax.model', 'torch')
 class Refuse:
   def find_spec(self, name, path=None, target=None):
     if any(name == b or name.startswith(b + '.') for b in BLOCKED):

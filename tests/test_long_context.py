@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import contract
+from pagedjax.kernels import contract
 from pagedjax.config import ConfigError, OffloadConfig
 from pagedjax.device import streamed_attention as sa
 from pagedjax.engine import Engine

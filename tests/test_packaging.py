@@ -1,6 +1,7 @@
 """A non-editable install holds the whole library: a wheel built from setup.py has every package
-under pagedjax/ and kernels/ (and none of tests/, experiments/, configs/), and the simulator
-imports from the installed tree alone.
+under pagedjax/, the kernels/ folder as `pagedjax.kernels` (never a top-level `kernels`, a name
+other libraries use), none of tests/, experiments/, configs/, and the simulator imports from the
+installed tree alone.
 
 CI installs the repo editable, where a package setup.py forgot still imports (from the source
 tree), so this builds a real wheel: from a copy of the repo (setuptools writes build/ and
@@ -26,11 +27,21 @@ NOT_COPIED = ('.git', '.venv', 'runs', 'build', '*.egg-info', '__pycache__', '.h
               '.pytest_cache', '.cache', 'workdir*', '.whl')
 
 
+def installed_path(path: pathlib.Path) -> pathlib.PurePosixPath:
+  """Where a source file lands in the wheel: kernels/ installs as pagedjax/kernels/ (the link
+  pagedjax/kernels -> ../kernels; rglob does not follow it, so kernels/ is walked itself)."""
+  rel = pathlib.PurePosixPath(path.relative_to(ROOT))
+  return pathlib.PurePosixPath('pagedjax') / rel if rel.parts[0] == 'kernels' else rel
+
+
+def source_files(pattern):
+  return sorted(installed_path(p) for top in ('pagedjax', 'kernels')
+                for p in (ROOT / top).rglob(pattern) if '__pycache__' not in p.parts)
+
+
 def source_packages():
   """Every package of the library and the kernels: each folder holding an __init__.py."""
-  return sorted('.'.join(init.parent.relative_to(ROOT).parts)
-                for top in ('pagedjax', 'kernels') for init in (ROOT / top).rglob('__init__.py')
-                if '__pycache__' not in init.parts)
+  return sorted('.'.join(init.parent.parts) for init in source_files('__init__.py'))
 
 
 def run(cmd, cwd, **kwargs):
@@ -43,7 +54,7 @@ def run(cmd, cwd, **kwargs):
 @pytest.mark.slow
 def test_wheel_holds_every_package_and_the_simulator_imports_from_it(tmp_path):
   packages = source_packages()
-  assert {'pagedjax', 'pagedjax.sim', 'kernels'} <= set(packages), packages
+  assert {'pagedjax', 'pagedjax.sim', 'pagedjax.kernels'} <= set(packages), packages
   source = tmp_path / 'source'
   shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*NOT_COPIED))
   pip = [sys.executable, '-m', 'pip', '--disable-pip-version-check', '--no-input', '-q']
@@ -55,11 +66,10 @@ def test_wheel_holds_every_package_and_the_simulator_imports_from_it(tmp_path):
   in_wheel = sorted(n[:-len('/__init__.py')].replace('/', '.') for n in names
                     if n.endswith('/__init__.py'))
   assert in_wheel == packages, f'wheel packages {in_wheel}, source packages {packages}'
-  for top in NOT_INSTALLED:
+  for top in NOT_INSTALLED + ('kernels',):
     assert not any(n.startswith(top + '/') for n in names), f'{top}/ is in the wheel'
   # Every module of the source tree is in the wheel, not only each package's __init__.
-  modules = sorted(str(p.relative_to(ROOT)) for top in ('pagedjax', 'kernels')
-                   for p in (ROOT / top).rglob('*.py') if '__pycache__' not in p.parts)
+  modules = [str(p) for p in source_files('*.py')]
   assert sorted(set(modules) - set(names)) == []
 
   site = tmp_path / 'site'

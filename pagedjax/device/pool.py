@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import contract as kernel_contract
-from kernels import paged_attention
+from pagedjax.kernels import contract as kernel_contract
+from pagedjax.kernels import paged_attention
 from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model import sharding

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import contract
+from pagedjax.kernels import contract
 from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
 from pagedjax.device.sampling import sample

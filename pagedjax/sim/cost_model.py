@@ -39,7 +39,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from kernels import xla_loops
+from pagedjax.kernels import xla_loops
 from pagedjax import sizing
 from pagedjax.sim.hardware import Hardware
 
