@@ -7,7 +7,6 @@ kv_quality: perplexity of the model on real text (KJV) scored *through the paged
 gqa: the same model shape with a different num_kv_heads: KV bytes per token, sequences that fit
   the budget, and decode step time (random weights: quality is not the question there).
 """
-import dataclasses
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import os
 import numpy as np
 
 from pagedjax import factory, run_info, text_data
-from pagedjax.device import pool as pool_lib
+from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.host.sampling_params import SamplingParams
 from pagedjax.scoring import ChunkScorer, score
@@ -46,15 +45,16 @@ def _texts(tokenizer, num_sequences: int, length: int):
 
 
 def capacity(model_cfg, kv_quant, block_size: int, budget_bytes: int, seq_len: int) -> dict:
-  """Sequences of seq_len tokens that fit budget_bytes of pool (scales and each sequence's ring
-  lane counted; the one null lane is not a per-sequence cost)."""
-  dims = (model_cfg.num_layers, 1, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
-  block = pool_lib.pool_bytes(*dims, dataclasses.replace(kv_quant, recent_window=0))
-  lane = (pool_lib.pool_bytes(*dims, kv_quant, max_sequences=2)
-          - pool_lib.pool_bytes(*dims, kv_quant, max_sequences=1))
-  per_sequence = math.ceil(seq_len / block_size) * block + lane
-  return {'kv_bytes_per_token': block / block_size, 'bytes_per_sequence': per_sequence,
-          'max_concurrent_sequences': budget_bytes // per_sequence}
+  """Sequences of seq_len tokens that fit budget_bytes of pool: the scheme's own per-token count
+  (codes, scales, per-block bookkeeping) for their blocks plus each sequence's fixed lane (ring,
+  KIVI key tail); the one null lane is not a per-sequence cost."""
+  scheme = kv_schemes.scheme_for(kv_quant)
+  dims = (model_cfg.num_layers, model_cfg.num_kv_heads, block_size, model_cfg.head_dim)
+  per_token = scheme.bytes_per_token(*dims)
+  per_sequence = math.ceil(seq_len / block_size) * block_size * per_token + scheme.bytes_per_lane(
+      *dims)
+  return {'kv_bytes_per_token': per_token, 'bytes_per_sequence': per_sequence,
+          'max_concurrent_sequences': int(budget_bytes // per_sequence)}
 
 
 def _decode_step_seconds(config, model_cfg, params, tokenizer) -> float:

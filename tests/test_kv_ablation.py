@@ -22,7 +22,8 @@ def test_kv_quality_sweep_scores_through_quantized_pool(tmp_path):
   codes = 2 * layers * heads * dim / 2  # K and V, two channels per byte
   value_ranges = 2 * layers * heads * (dim // 8) * 2  # float16 scale and zero per 8 channels
   key_ranges = 2 * layers * heads * dim * 2 / block  # float16 scale and zero per block channel
-  assert row['kv_bytes_per_token'] == codes + value_ranges + key_ranges == 112
+  tail_source = heads * 4 / block  # int32 per block and head: whose key tail a COW copy reads
+  assert row['kv_bytes_per_token'] == codes + value_ranges + key_ranges + tail_source == 112.5
   assert rows['int8']['kv_bytes_per_token'] < rows['bfloat16']['kv_bytes_per_token']
   assert row['perplexity_32'] > 1 and row['reference_perplexity_64'] > 1
   assert 0 < row['greedy_agreement'] <= 1 and row['logit_error_mean'] > 0
