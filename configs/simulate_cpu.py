@@ -30,7 +30,9 @@ from pagedjax.config import Config
 
 def get_config(arg=None):
   config = Config().to_configdict()
-  config.attention.impl = 'auto'
+  # The cost model walks the xla kernel's loop steps (kernels/xla_loops.py); the native cpu
+  # kernel that 'auto' now picks on CPU has no cost model yet, so calibrate on the path it models.
+  config.attention.impl = 'xla'
   config.engine.update(dict(max_seq_len=512, max_batch_size=16, prefill_chunk=64))
   config.scheduler.max_num_batched_tokens = 256
   config.pool.update(dict(block_size=16, num_blocks=192))
