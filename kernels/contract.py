@@ -176,6 +176,18 @@ def tokens_seen(q_positions, context_lens):
   return jnp.clip(jnp.minimum(q_positions + 1, context_lens[:, None]), 0, None)
 
 
+def masked_softmax(scores, visible):
+  """Softmax over the last axis among the `visible` entries (a mask broadcastable to scores).
+  The probabilities are masked too, so NaN or inf in slots a query may not see cannot leak in;
+  a row that sees nothing is all zeros, not NaN."""
+  scores = jnp.where(visible, scores, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  probs = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
+  denom = jnp.sum(probs, axis=-1, keepdims=True)
+  return probs / jnp.where(denom > 0, denom, 1.0)
+
+
 def rows_seen(seen, group, rows_to=None):
   """tokens_seen [B, T] -> [B, R] per row (ordered (t, g) as in group_rows); rows padded to
   `rows_to` see nothing."""

@@ -43,13 +43,7 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   kv_pos = jnp.arange(k.shape[2])
   seen = contract.tokens_seen(q_positions, context_lens)  # [B, T]
   visible = (kv_pos[None, None, :] < seen[:, :, None])[:, None, None]  # [B, 1, 1, T, S]
-  scores = jnp.where(visible, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  # Mask the probabilities too, so NaN or inf in slots a query may not see cannot leak in.
-  probs = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(probs, axis=-1, keepdims=True)
-  probs = probs / jnp.where(denom > 0, denom, 1.0)
+  probs = contract.masked_softmax(scores, visible)
   # 0 * NaN is NaN: zero the slots past each context so garbage there cannot reach the output.
   in_context = (kv_pos[None, :] < context_lens[:, None])[:, None, :, None]
   v = jnp.where(in_context, v, 0.0)

@@ -208,12 +208,7 @@ def view_attention(q, k_lo, v_lo, k_hi, v_hi, key_hi, value_hi, positions, conte
   seen = kernel_contract.tokens_seen(positions, context_lens)  # [B, T]
   visible = (jnp.arange(num_slots)[None, None, :] < seen[:, :, None])[:, None, None]
   scores = jnp.where(key_hi[:, None, None], score(k_hi), score(k_lo))
-  scores = jnp.where(visible, scores, -jnp.inf)
-  row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  probs = jnp.where(visible, jnp.exp(scores - row_max), 0.0)
-  denom = jnp.sum(probs, axis=-1, keepdims=True)
-  probs = probs / jnp.where(denom > 0, denom, 1.0)
+  probs = kernel_contract.masked_softmax(scores, visible)
   in_context = (jnp.arange(num_slots)[None, :] < context_lens[:, None])[:, :, None, None]
   v_lo, v_hi = (jnp.where(in_context, x, 0.0) for x in (v_lo, v_hi))
   out = (jnp.einsum('bkgts,bskd->btkgd', probs, v_lo) +
