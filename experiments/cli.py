@@ -66,6 +66,7 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections import config_flags
 
+from pagedjax import run_info
 from pagedjax.config import ConfigError, validate_config
 from pagedjax.host.intake import RequestError  # pagedjax.engine.RequestError is this class
 
@@ -328,6 +329,15 @@ def written(workdir: str, before: dict, per_directory: int = 4) -> list:
     else:
       lines += [os.path.join(workdir, p) for p in paths]
   return lines
+
+
+def write_table(workdir: str, text: str, echo: bool = True) -> None:
+  """A study's results table: WORKDIR/table.md (written atomically, one trailing newline) and,
+  with echo, the same text on stdout."""
+  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
+    f.write(text.rstrip('\n') + '\n')
+  if echo:
+    print(text)
 
 
 def progress(iterable=None, desc: str = '', **kwargs):

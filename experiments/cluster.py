@@ -261,9 +261,7 @@ def study(config, workdir: str) -> dict:
   table = (f'{setting(config)}\n\nTTFT p90 (simulated s) per router and stage rate\n\n'
            f'{run_info.markdown_table(p90_rows, list(p90_rows[0]))}\n\nRouters, whole trace\n\n'
            f'{run_info.markdown_table(overall, ROUTER_COLUMNS)}\n')
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table)
-  print(table)
+  cli.write_table(workdir, table)
   worst = max(o['routing_p99_ms'] for o in overall)
   summary = {
       'setting': setting(config), 'simulated': True, 'requests': len(requests),

@@ -126,30 +126,30 @@ def plain_ticks(ax, values, axis_name: str = 'x') -> None:
   target.set_minor_locator(ticker.NullLocator())
 
 
-def log_x(ax, values) -> None:
-  """A log x axis where `values` span a decade or more, labelled with plain numbers (300, not
-  3x10^2); a linear one from 0 otherwise (a decade has no major log tick to label)."""
+def _log_scale(ax, axis: str, values) -> bool:
+  """Puts `axis` ('x' or 'y') on a log scale labelled with plain numbers (300, not 3x10^2) when
+  `values` span a decade or more; a decade has no major log tick to label. True if it did."""
   import matplotlib.ticker as ticker  # pylint: disable=import-outside-toplevel
   values = [v for v in values if v is not None]
-  if values and min(values) > 0 and max(values) / min(values) >= 10:
-    ax.set_xscale('log')
-    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:.4g}'))
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-  else:
-    ax.set_xlim(left=0, right=1.05 * max(values, default=1))
+  if not (values and min(values) > 0 and max(values) / min(values) >= 10):
+    return False
+  getattr(ax, f'set_{axis}scale')('log')
+  target = getattr(ax, f'{axis}axis')
+  target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:.4g}'))
+  target.set_minor_formatter(ticker.NullFormatter())
+  return True
+
+
+def log_x(ax, values) -> None:
+  """A log x axis where `values` span a decade or more; a linear one from 0 otherwise."""
+  if not _log_scale(ax, 'x', values):
+    ax.set_xlim(left=0, right=1.05 * max((v for v in values if v is not None), default=1))
 
 
 def log_y(ax, values) -> None:
-  """A log y axis where `values` span a decade or more, labelled with plain numbers (0.002, not
-  2x10^-3); a linear one from 0 otherwise (a log scale over less than a decade shows nothing
-  more, and its minor labels repeat)."""
-  import matplotlib.ticker as ticker  # pylint: disable=import-outside-toplevel
-  values = [v for v in values if v is not None]
-  if values and min(values) > 0 and max(values) / min(values) >= 10:
-    ax.set_yscale('log')
-    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:.4g}'))
-    ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-  else:
+  """A log y axis where `values` span a decade or more; a linear one from 0 otherwise (a log
+  scale over less than a decade shows nothing more, and its minor labels repeat)."""
+  if not _log_scale(ax, 'y', values):
     ax.set_ylim(bottom=0)
 
 

@@ -342,8 +342,7 @@ def write_tables(config, curves: list, workdir: str) -> None:
   text = (f'Hit rate (prompt tokens served from cache / prompt tokens) by cache capacity '
           f'(tokens); gap_closed: share of LRU\'s gap to the optimum closed at '
           f'{config.lab.gap_capacity:.0e} tokens.\n\n' + run_info.markdown_table(rows, columns))
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(text + '\n')
+  cli.write_table(workdir, text, echo=False)
 
 
 def plot(config, curves: list, ceiling: float, workdir: str) -> None:

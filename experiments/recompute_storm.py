@@ -225,9 +225,7 @@ def write_tables(rows: list, workdir: str) -> None:
            'min_windowed_hit_rate_after_switch', 'alerts_fired', 'alerts_fired_after_switch',
            'alerts_cleared', 'prompt_tokens_computed')
   table = run_info.markdown_table(rows, shown)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table + '\n')
-  print(table)
+  cli.write_table(workdir, table)
 
 
 def plot(rows: list, config, workdir: str) -> None:

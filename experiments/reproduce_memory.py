@@ -117,9 +117,7 @@ def study(config, workdir: str) -> dict:
   # The sweep runner's summary.json lists the rows; this one, the study's figures.
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   table = run_info.markdown_table(rows, TABLE, digits=4)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table + '\n')
-  print(table)
+  cli.write_table(workdir, table)
   print(f"paged / contiguous throughput: {figures['throughput_ratio']:.2f}x (published "
         f"{PUBLISHED['throughput_ratio'][0]:g}-{PUBLISHED['throughput_ratio'][1]:g}x); KV "
         f"utilization {figures['paged_kv_utilization']:.1%} paged, "

@@ -221,9 +221,7 @@ def write_tables(rows: list, workdir: str) -> None:
            'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p99_s', 'generated_tokens_per_s',
            'tier2_promoted_bytes', 'tier3_promoted_bytes', 'tier3_demoted_bytes')
   table = run_info.markdown_table(rows, shown)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table + '\n')
-  print(table)
+  cli.write_table(workdir, table)
 
 
 def plot(rows: list, workdir: str, title: str = 'KV policy table') -> None:

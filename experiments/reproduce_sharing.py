@@ -197,9 +197,7 @@ def study(config, workdir: str) -> dict:
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   run_info.write_csv(os.path.join(workdir, 'results.csv'), runs, RUN_COLUMNS)
   table = run_info.markdown_table(runs, TABLE)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table + '\n')
-  print(table)
+  cli.write_table(workdir, table)
   for name, g in figures['goals'].items():
     print(f"goal shared_prompt {name} >= {g['goal']:g}: {g['value']:.3g}, "
           f"{'MET' if g['met'] else 'NOT MET'}")

@@ -319,9 +319,7 @@ def study(config, workdir: str) -> dict:
   table = (f'{title}; TTFT and latency are wall seconds on this machine (1-minute load '
            f'average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)\n\n'
            f'{run_info.markdown_table(routers, ROUTER_COLUMNS)}\n')
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(table)
-  print(table)
+  cli.write_table(workdir, table)
   plot(routers, workdir, title)
   summary = {
       'setting': title, 'requests': len(requests), 'left_out_too_long': dropped,

@@ -254,9 +254,7 @@ def run_study(config, workdir: str) -> dict:
   if config.get('plot'):
     plot(os.path.join(workdir, 'plot.png'), rows, config.plot, title, thresholds)
   table = run_info.markdown_table(rows, list(config.get('table_columns', ('point',))), digits=4)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(f'{title} (simulated)\n\n{table}\n')
-  print(f'{title} (simulated)\n{table}')
+  cli.write_table(workdir, f'{title} (simulated)\n\n{table}')
   if figures:
     print(f'\n{vllm_table(figures)}')
   return summary

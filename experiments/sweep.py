@@ -295,9 +295,7 @@ def study(config, workdir: str) -> dict:
   points = [dict(p) for p in config.sweep]
   table = run_info.markdown_table(rows, table_columns(config, points), digits=4)
   title = config.get('title', 'sweep') + cli.variant_note(config)
-  with run_info.atomic_write(os.path.join(workdir, 'table.md')) as f:
-    f.write(f'{title}\n\n{table}\n')
-  print(f'{title}\n\n{table}')
+  cli.write_table(workdir, f'{title}\n\n{table}')
   return {'rows': rows}
 
 
