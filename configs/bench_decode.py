@@ -39,7 +39,7 @@ def get_config(arg=None):
       trace_requests=64,  # the continuous-batching trace; 0 skips it
       generate_batch=True,  # HF's generate_batch on the trace (if transformers has it)
       hf=True,  # False: engine, floor and plain step only
-      # How the engine's decode calls run the layers (pagedjax/device/step.py DECODE_LAYERS):
+      # How the engine's decode calls run the layers (pagedjax/model/step.py DECODE_LAYERS):
       # auto (the engine's default) = unrolled over per-layer views of the weights for decode
       # calls of 8+ rows on one CPU device (no per-step weight copies; those programs compile
       # 3-4x slower), scan = always under the layer scan, unrolled = every decode call.

@@ -16,7 +16,7 @@ block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + m
     only while that layer runs), for `recompute_tokens` tokens;
   - `beside_requests` ordinary requests, timed alone and beside the long one (window
     `beside_window`) in one engine;
-and reports host/tier_cost.py's stream-vs-recompute break-even per point.
+and reports host/tiers/tier_cost.py's stream-vs-recompute break-even per point.
 `:tiny` runs the same pipeline on a 1-layer random Llama at two points (seconds; most of it
 compiling).
 """

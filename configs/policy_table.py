@@ -15,7 +15,7 @@ Rows (`policies.rows`), each a change to this config (experiments/reproduce_poli
               row with a prefix cache; sessions are evicted as units in every such row)
   auto        sessions with the cost model choosing load or recompute per hit and swap or
               recompute per preemption victim, calibrated at engine start
-Traces (`policies.traces`, built by pagedjax.workloads with byte tokens of KJV text):
+Traces (`policies.traces`, built by pagedjax.studies.workloads with byte tokens of KJV text):
   multi_turn  chats resending their history each turn after a think time, many more
               conversations than the device pool holds (`device_share` of the working set)
   rag         few-shot / RAG prompts over a small set of hot documents (`documents`)

@@ -11,7 +11,7 @@ Rows (`storm.rows`), each a change to this config:
   throttle          while the alert is active, at most `storm.throttle_prefill_tokens` prompt
                     tokens per iteration (alerts.throttle_prefill_tokens)
   prewarm_throttle  both
-The trace (`storm`, pagedjax.workloads.system_prompt_switch, byte tokens of KJV text): Poisson
+The trace (`storm`, pagedjax.studies.workloads.system_prompt_switch, byte tokens of KJV text): Poisson
 arrivals at `rate`, system prompt v1 before `switch_time_s` and v2 from then on, ShareGPT-like
 user messages. Windows of the TTFT figures, by arrival time: steady state
 [steady_start_s, switch - prewarm_lead_s), across the switch [switch - prewarm_lead_s,

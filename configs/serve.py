@@ -15,7 +15,7 @@ Workloads (`workload.kind`):
   shared_prefix  `tenants` random prefixes of `prefix_tokens`, each request one of them and a
                  fresh `question_tokens`, Poisson arrivals at `rate`/s (llm-d's benchmark shape)
   mooncake       requests `start`.. of /work/shared/traces/mooncake_conversation.jsonl
-                 (pagedjax.workloads.block_trace_requests: block ids -> deterministic tokens,
+                 (pagedjax.studies.workloads.block_trace_requests: block ids -> deterministic tokens,
                  blocks and outputs shrunk by `length_scale`, arrival gaps by `time_scale`);
                  requests longer than engine.max_seq_len are left out (counted). A slice of
                  consecutive requests reuses little: in any 60 of them only block 0 repeats

@@ -5,7 +5,7 @@
   python -m experiments.thrashing --config=configs/thrashing.py:sim --workdir=runs/thrashing_sim
 
 A tiny random Llama (byte vocabulary: prompts are UTF-8 bytes of KJV text) replays one
-ShareGPT-like trace open-loop (pagedjax.workloads.synthetic_trace: ShareGPT's lognormal length
+ShareGPT-like trace open-loop (pagedjax.studies.workloads.synthetic_trace: ShareGPT's lognormal length
 laws with their means scaled by `workload.length_scale` to fit a CPU, Poisson arrivals, EOS
 ignored so every request generates its trace length, greedy).
 

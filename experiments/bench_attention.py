@@ -32,7 +32,7 @@ import numpy as np
 from pagedjax import kernels
 import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
 from experiments import cli
-from pagedjax import run_info
+from pagedjax.studies import run_info
 from pagedjax.config import ConfigError
 
 NATIVE = {

@@ -21,7 +21,7 @@ token ids. Per batch B:
     rows unless engine.decode_min_rows says otherwise; this config says 1) adds on top.
 The engine's attention path is config.attention.impl (`auto`: on CPU the native `cpu` kernel,
 kernels/cpu.py, where it builds, else `xla`); summary.json's `attention_impl` names the one that
-ran. The engine's decode calls run the layers as `bench.decode_layers` says (device/step.py:
+ran. The engine's decode calls run the layers as `bench.decode_layers` says (model/step.py:
 'scan', or 'unrolled' over per-layer views of the weights; 'auto', the engine's default, unrolls
 decode calls of 8 rows and more on one CPU device).
 Everything is warmed up first in a round of `warmup_output_len` new tokens (the engine compiles
@@ -50,10 +50,12 @@ import numpy as np
 from pagedjax import kernels
 from experiments import cli
 from experiments import plain_step
-from pagedjax import factory, run_info, text_data
+from pagedjax import factory
+from pagedjax.studies import run_info
+from pagedjax.studies import text_data
 from pagedjax.config import Config, ConfigError
-from pagedjax.device.step import DECODE_LAYERS, CompiledStep
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.model.step import DECODE_LAYERS, CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 _PROFILE_DIR = flags.DEFINE_string(
     'profile_dir', None, 'Write a jax.profiler trace (TensorBoard/Perfetto) of a few decode '

@@ -55,7 +55,8 @@ COLUMNS = ('batch', 'prompt_len', 'output_len', 'pagedjax_tokens_per_s', 'vllm_t
 def export_and_time(config, workdir, batches, prompt_len, output_len, rounds, seed):
   """Writes hf_model/, prompts.json and pagedjax.json (see the module docstring)."""
   from experiments import bench_decode  # pylint: disable=import-outside-toplevel
-  from pagedjax import factory, run_info  # pylint: disable=import-outside-toplevel
+  from pagedjax import factory  # pylint: disable=import-outside-toplevel
+  from pagedjax.studies import run_info
   from pagedjax import kernels  # pylint: disable=import-outside-toplevel
 
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
@@ -108,7 +109,7 @@ def compare_outputs(a, b):
 
 
 def compare(workdir):
-  from pagedjax import run_info  # pylint: disable=import-outside-toplevel
+  from pagedjax.studies import run_info  # pylint: disable=import-outside-toplevel
   read = lambda name: json.load(open(os.path.join(workdir, name)))
   setup, ours, theirs = read('prompts.json'), read('pagedjax.json'), read('vllm.json')
   rows = []
@@ -143,7 +144,8 @@ def main(argv):
     raise cli.WorkdirError('--step is required: pagedjax (this venv) or compare; the vLLM side '
                            'is experiments/bench_vllm_cpu_vllm.py (see bench_vllm_cpu.sh)')
   # pylint: disable-next=import-outside-toplevel
-  from pagedjax.config import ConfigError, validate_config
+  from pagedjax.config import ConfigError
+  from pagedjax.studies.workloads import validate_config
   config = validate_config(flags.FLAGS.config)
   batches = sorted({int(b) for b in _BATCHES.value})
   limit = config.engine.max_batch_size

@@ -39,7 +39,7 @@ import numpy as np
 from pagedjax import kernels
 import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
 from pagedjax.config import ConfigError
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 
 _MEASURED: Dict[tuple, dict] = {}  # settings -> figures, one measurement per process
 _MEASURED_HOST: Dict[tuple, dict] = {}

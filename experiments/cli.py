@@ -8,7 +8,7 @@ A study is `study(config, workdir, **options) -> summary dict`; its whole `__mai
     cli.run_study('configs/NAME.py', 'What the config holds.', study, check=check)
 
 and `python -m experiments.NAME --config=configs/NAME.py[:tiny] --workdir=DIR` then validates
-the config (pagedjax.config.validate_config, then `check(config, **options)`), creates DIR,
+the config (pagedjax/studies/workloads.py validate_config, then `check(config, **options)`), creates DIR,
 holds its lock, prints what runs (the config's variant included), runs the study, and lists the
 files it wrote. What a study itself does, the same way in every study:
   - prints a short table of its results (run_info.markdown_table) and writes it to table.md;
@@ -66,9 +66,10 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections import config_flags
 
-from pagedjax import run_info
-from pagedjax.config import ConfigError, validate_config
-from pagedjax.host.intake import RequestError  # pagedjax.engine.RequestError is this class
+from pagedjax.studies import run_info
+from pagedjax.config import ConfigError
+from pagedjax.studies.workloads import validate_config
+from pagedjax.host.requests.intake import RequestError  # pagedjax.engine.RequestError is this class
 
 EXIT_USAGE = 2
 _CONFIG_FLAG = re.compile(r'^--?config(=|$)')
@@ -254,7 +255,7 @@ def run_study(default_config: str, help_string: str, study, check=None,
 def run_config(study, config, workdir: Optional[str], check=None, validate: bool = True,
                **options):
   """One study run, the same from the command line and from tests: the config validated
-  (pagedjax.config.validate_config, unless validate is False: a study whose base config is
+  (pagedjax/studies/workloads.py validate_config, unless validate is False: a study whose base config is
   completed per point, whose `check` validates each point) and checked by
   `check(config, **options)`, if given, before the workdir is made; a line saying what runs
   (with the config's variant: a `:tiny` run says it is one); study(config, workdir, **options)

@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 from experiments import cli
-from pagedjax import run_info, sizing
+from pagedjax import sizing
+from pagedjax.studies import run_info
 from pagedjax.cluster import routers as routers_lib
 from pagedjax.cluster.index import KVIndex
 from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster, latency_figures
@@ -126,7 +127,7 @@ def make_trace(config) -> list:
 
 
 def make_engines(config, n: int) -> tuple:
-  """n simulated replicas and each one's tier cost model (host/tier_cost.py)."""
+  """n simulated replicas and each one's tier cost model (host/tiers/tier_cost.py)."""
   typed = Config.from_configdict(config)
   shape, hw, sim = model_shape(config), hardware.get_hardware(config.sim.hardware), config.sim
   engines, costs = [], []

@@ -32,9 +32,10 @@ from absl import flags
 import jax
 
 from experiments import cli
-from pagedjax import factory, run_info, sizing
+from pagedjax import factory, sizing
+from pagedjax.studies import run_info
 from pagedjax.config import Config, ConfigError
-from pagedjax.host.intake import RequestError
+from pagedjax.host.requests.intake import RequestError
 from pagedjax.model import sharding
 
 _DISTRIBUTED = flags.DEFINE_bool(

@@ -4,7 +4,7 @@ A job is `fn(config, workdir) -> dict` of JSON scalars, one row of results.jsonl
 bigger outputs (timelines) into workdir, the point's own directory. Sweep configs name theirs
 with `config.job`: a key of JOBS, or 'package.module:function' for jobs kept elsewhere.
 
-  trace   replay a synthetic trace (config.trace, pagedjax.workloads) through one engine built
+  trace   replay a synthetic trace (config.trace, pagedjax.studies.workloads) through one engine built
           from the config; the engine's serving metrics (pagedjax.host.metrics), trace figures,
           and what block tables cost the host (host_costs).
   trace_with_block_overhead
@@ -17,12 +17,14 @@ import json
 import os
 
 from experiments import block_overhead
-from pagedjax import factory, run_info, workloads
+from pagedjax import factory
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.config import Config, ConfigError
 from pagedjax.engine import RequestError
 from pagedjax.model.llama import init_params
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.device.step import CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.model.step import CompiledStep
 
 
 _MODELS = {}  # (model config, attention impl) -> (ModelConfig, params, encode, CompiledStep)

@@ -13,11 +13,13 @@ import os
 
 import numpy as np
 
-from pagedjax import factory, run_info, text_data
+from pagedjax import factory
+from pagedjax.studies import run_info
+from pagedjax.studies import text_data
 from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.scoring import ChunkScorer, score
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.studies.scoring import ChunkScorer, score
 
 _CACHE = {}  # one model per process: every point of a sweep shares it and its compiled steps
 

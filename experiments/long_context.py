@@ -17,7 +17,7 @@ One greedy request whose context (prompt + new tokens) is `context_multiple` x t
 and two more figures:
   beside       `beside_requests` ordinary requests alone, then beside the long one (offloaded with
                a window of `beside_window` blocks) in the same engine: their TPOT both ways
-  cost model   host/tier_cost.py's figures, measured on a streamed engine (pagedjax/tiering.py):
+  cost model   host/tiers/tier_cost.py's figures, measured on a streamed engine (pagedjax/tiering.py):
                per point, the modelled seconds to stream its host blocks once (one decode step),
                to recompute the whole context once, and their ratio, the break-even: the decode
                steps after which streaming has cost what one recomputation of the context costs
@@ -53,11 +53,14 @@ import numpy as np
 
 from experiments import cli
 from experiments import plots
-from pagedjax import factory, run_info, text_data, tiering, workloads
+from pagedjax import factory, tiering
+from pagedjax.studies import run_info
+from pagedjax.studies import text_data
+from pagedjax.studies import workloads
 from pagedjax.config import Config, ConfigError
-from pagedjax.device.step import CompiledStep
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.model.step import CompiledStep
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
 from pagedjax.model.llama import Llama, init_params
 
@@ -252,7 +255,7 @@ def streamed_row(decoder: LongContextDecoder, runs: list, reference: dict, conte
   model's stream-vs-recompute figures (module docstring)."""
   s, first = decoder.settings, runs[0]
   window_tokens = s.window_blocks * s.block_size
-  block_mb = decoder.cfg.num_layers * decoder.block_bytes / MB  # one block: K and V, all layers
+  block_mb = decoder.model_cfg.num_layers * decoder.block_bytes / MB  # one block: K and V, all layers
   steps = [t for r in runs for t in r.step_seconds]
   logits = np.stack(first.logits)
   n = min(len(logits), len(reference['logits']))
@@ -404,7 +407,7 @@ def study(config, workdir: str) -> dict:
   print(f"all_device ({reference['num_blocks'] - 1} blocks): "
         f"{reference['decode_ms_per_token_best']:.1f} ms/token fastest, "
         f"{reference['decode_ms_per_token']:.1f} median", flush=True)
-  # The cost model (host/tier_cost.py) measured on a streamed engine: its prefill seconds per
+  # The cost model (host/tiers/tier_cost.py) measured on a streamed engine: its prefill seconds per
   # token and host-copy bandwidth and latency (config.tiers figures, when set, win).
   cost = tiering.preemption_cost(typed.tiers, decoders[0].engine.executor)
   rows = [streamed_row(decoder, point_runs, reference, context, cost)

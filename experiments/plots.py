@@ -11,7 +11,7 @@ plots before anyone describes it; add it here (words, unit) to read well in a pa
 """
 from typing import Optional
 
-from pagedjax import run_info
+from pagedjax.studies import run_info
 
 # field (a row key, or a dotted config field of a sweep point) -> (words, unit or '').
 FIELDS = {

@@ -5,7 +5,7 @@ Hit rate against cache capacity for every eviction policy, against the offline o
   python -m experiments.policy_lab --workdir=runs/policy_lab
   python -m experiments.policy_lab --config=configs/policy_lab.py:tiny --workdir=DIR
 
-The trace (config.lab.trace, pagedjax.workloads.read_block_trace) names each prompt's 512-token
+The trace (config.lab.trace, pagedjax.studies.workloads.read_block_trace) names each prompt's 512-token
 blocks by hash id. Each request is replayed, in trace order and one at a time, through the real
 host-side cache code: the BlockManager admits it (the prefix cache's lookup, then allocation,
 evicting by the row's policy when the pool is full), its full blocks are offered to the cache,
@@ -52,16 +52,16 @@ import time
 
 from experiments import cli
 from pagedjax import config as config_lib
-from pagedjax import run_info
-from pagedjax import workloads
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.host import policies
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.prefix_cache import PrefixCache, chain_keys
-from pagedjax.host.radix_cache import RadixCache
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.sequence import Sequence
-from pagedjax.host.sessions import Sessions
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.cache.prefix_cache import PrefixCache, chain_keys
+from pagedjax.host.cache.radix_cache import RadixCache
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.requests.sequence import Sequence
+from pagedjax.host.cache.sessions import Sessions
 
 BLOCK = workloads.TRACE_BLOCK_TOKENS
 TAIL = -1  # the "token" standing for a prompt's partial last block (never cached)
@@ -186,7 +186,7 @@ class Replay:
         session = str(record.conversation)
       seq = Sequence(self.position, prompt, SamplingParams(max_new_tokens=1,
                                                            session_id=session))
-      self.blocks.admit(seq)
+      self.blocks.allocate_waiting(seq)
       seq.num_cached = min(record.full_blocks, len(prompt))  # the full blocks are computed
       self.blocks.offer_full_blocks(seq)
       self.blocks.end_turn(seq, float(self.position))

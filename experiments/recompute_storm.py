@@ -42,10 +42,11 @@ from experiments import cli
 from experiments import jobs
 from experiments import plots
 from pagedjax import config as config_lib
-from pagedjax import run_info, workloads
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.config import ConfigError
 from pagedjax.host.metrics import percentile
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 ROWS = ('none', 'prewarm', 'throttle', 'prewarm_throttle')
 COLUMNS = ('row', 'ttft_p50_steady_s', 'ttft_p99_steady_s', 'ttft_p50_across_s',
@@ -115,7 +116,7 @@ def row_config(base, row: str):
   s = c.storm
   c.tiers.pinned_blocks = s.system_tokens // c.pool.block_size if 'prewarm' in row else 0
   c.alerts.throttle_prefill_tokens = s.throttle_prefill_tokens if 'throttle' in row else 0
-  return config_lib.validate_config(c)
+  return workloads.validate_config(c)
 
 
 def replay(config, row: str, requests, prefix: list) -> tuple:

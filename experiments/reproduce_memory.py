@@ -20,7 +20,7 @@ from absl import logging
 from experiments import cli
 from experiments import plots
 from experiments import sweep
-from pagedjax import run_info
+from pagedjax.studies import run_info
 from pagedjax.config import ConfigError
 from pagedjax.host import metrics
 

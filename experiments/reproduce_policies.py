@@ -41,9 +41,10 @@ from experiments import cli
 from experiments import jobs
 from experiments import plots
 from pagedjax import config as config_lib
-from pagedjax import run_info, workloads
-from pagedjax.host.prefix_cache import PinError, chain_keys
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
+from pagedjax.host.cache.prefix_cache import PinError, chain_keys
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 # rows auto is compared with
 FIXED = ('recompute', 'lru', 'lfu', 'pin', 'ram', 'ram_disk', 'sessions')
@@ -57,7 +58,7 @@ COLUMNS = ('trace', 'policy', 'device_blocks', 'host_blocks', 'disk_blocks', 'hi
 
 
 def make_traces(config) -> dict:
-  """trace name -> TraceRequests (byte tokens of KJV text, pagedjax.workloads)."""
+  """trace name -> TraceRequests (byte tokens of KJV text, pagedjax.studies.workloads)."""
   m, r, a = config.multi_turn, config.rag, config.agent
   out = {
       'multi_turn': workloads.multi_turn_chat(
@@ -129,12 +130,12 @@ def row_config(base, row: str, size: dict, kv_dir: str):
     c.tiers.disk_blocks, c.tiers.disk_kvstore = size['disk'], kv_dir
   if row == 'auto':
     c.tiers.promotion = c.scheduler.preemption = 'auto'
-  return config_lib.validate_config(c)
+  return workloads.validate_config(c)
 
 
 def replay(config, requests, hot, timeline_path: str) -> dict:
   """One engine from config replaying the trace; its figures (COLUMNS). With tiers, their
-  per-iteration timeline (host/kv_tiers.py: hits, promotions, demotions, evictions per tier,
+  per-iteration timeline (host/tiers/kv_tiers.py: hits, promotions, demotions, evictions per tier,
   occupancy) goes to timeline_path as CSV."""
   engine, _ = jobs.make_engine(config)
   cache = engine.prefix_cache

@@ -8,7 +8,7 @@ the run and renamed at its end, so a failed or killed run leaves the previous ru
 results.jsonl whole), the same as results.csv and table.md (printed too), sharing.png (prompt
 tokens computed and TTFT with caching off and on; KV memory saved by sharing per n and beam
 width, the paper's ranges beside it) and summary.json (replaced atomically):
-  shared_prompt      the shared-system-prompt trace (pagedjax.workloads.shared_system_prompt)
+  shared_prompt      the shared-system-prompt trace (pagedjax.studies.workloads.shared_system_prompt)
                      replayed with prefix caching off and on: `prefix_hit_rate` (prompt tokens
                      found cached / prompt tokens at admission), `prefill_tokens_saved_fraction`
                      (1 - prompt tokens computed / submitted), `prefill_reduction` (computed
@@ -33,9 +33,10 @@ from experiments import cli
 from experiments import jobs
 from experiments import plots
 from pagedjax import config as config_lib
-from pagedjax import run_info, workloads
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 PUBLISHED = {'parallel_sampling_saved': {'alpaca': [0.061, 0.098], 'sharegpt': [0.162, 0.305]},
              'beam_search_saved': {'alpaca': [0.376, 0.552], 'sharegpt': [0.443, 0.663]}}
@@ -68,7 +69,7 @@ def replay(config, requests, n=1, temperature=0.0, seed=0, beam_width=0) -> dict
 def _with_cache(config, enabled):
   config = copy.deepcopy(config)
   config.prefix_cache.enabled = enabled
-  return config_lib.validate_config(config)
+  return workloads.validate_config(config)
 
 
 def prefix_study(config, requests, study, log) -> dict:

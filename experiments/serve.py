@@ -35,7 +35,9 @@ import time
 import numpy as np
 
 from experiments import cli
-from pagedjax import factory, run_info, sizing, workloads
+from pagedjax import factory, sizing
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.cluster import routers as routers_lib
 from pagedjax.cluster import serve as serve_lib
 from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster

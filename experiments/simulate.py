@@ -35,9 +35,12 @@ import numpy as np
 from experiments import cli
 from experiments import plots
 from experiments import sweep
-from pagedjax import run_info, sizing, workloads
-from pagedjax.config import Config, ConfigError, PoolConfig, validate_config
-from pagedjax.host.intake import RequestError
+from pagedjax import sizing
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
+from pagedjax.config import Config, ConfigError, PoolConfig
+from pagedjax.studies.workloads import validate_config
+from pagedjax.host.requests.intake import RequestError
 from pagedjax.sim import calibrate, hardware, sim_config, simulated_device
 
 SCALAR = (int, float, str, bool, type(None))
@@ -281,7 +284,7 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
   (see the module docstring). Returns the summary it writes."""
   import jax  # pylint: disable=g-import-not-at-top
   from pagedjax import factory  # pylint: disable=g-import-not-at-top  (loads the model code)
-  from pagedjax.device.step import CompiledStep  # pylint: disable=g-import-not-at-top
+  from pagedjax.model.step import CompiledStep  # pylint: disable=g-import-not-at-top
   from pagedjax.model.llama import init_params  # pylint: disable=g-import-not-at-top
   cal = config.calibration
   typed = Config.from_configdict(validate_config(config))

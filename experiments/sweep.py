@@ -39,8 +39,9 @@ from absl import logging
 from experiments import cli
 from experiments import jobs
 from experiments import plots
-from pagedjax import run_info
-from pagedjax.config import Config, ConfigError, validate_config
+from pagedjax.studies import run_info
+from pagedjax.config import Config, ConfigError
+from pagedjax.studies.workloads import validate_config
 
 SWEEP_FIELDS = ('sweep', 'plot')
 ROW_KEYS = ('point', 'config_hash')  # resume bookkeeping of results.jsonl, not figures

@@ -48,9 +48,10 @@ from experiments import jobs
 from experiments import plots
 from experiments import sweep
 from pagedjax import config as config_lib
-from pagedjax import run_info, workloads
+from pagedjax.studies import run_info
+from pagedjax.studies import workloads
 from pagedjax.sim import sim_config, simulated_device
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 # The engine's clock: this process's CPU seconds (its own threads and XLA's) or wall seconds.
 # On a CPU shared with other work, wall time charges the engine for everyone's load (one point
@@ -149,7 +150,7 @@ def point_config(config, pool_blocks: int, overrides: dict, cost: dict):
   point = {'pool.num_blocks': pool_blocks + 1, **overrides}
   if needs_cost(overrides):
     point.update({f'tiers.{k}': v for k, v in cost.items()})
-  return config_lib.validate_config(sweep.apply_point(config, point))
+  return workloads.validate_config(sweep.apply_point(config, point))
 
 
 def needs_cost(overrides: dict) -> bool:
@@ -193,7 +194,7 @@ def replay(config, requests, priority: dict, clock: str) -> tuple:
 
 
 def measure_cost(config, pool_blocks: int) -> dict:
-  """The cost model's figures (host/tier_cost.py) as config.tiers fields: measured once on this
+  """The cost model's figures (host/tiers/tier_cost.py) as config.tiers fields: measured once on this
   machine by an engine of the chosen pool (simulated: the device cost model's)."""
   engine = make_engine(point_config(config, pool_blocks, {'scheduler.victim': 'cost'}, {}),
                        'wall')

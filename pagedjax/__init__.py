@@ -19,8 +19,8 @@ _WHERE = {
     'SchedulerConfig': 'pagedjax.config', 'PrefixCacheConfig': 'pagedjax.config',
     'MeshConfig': 'pagedjax.config', 'TiersConfig': 'pagedjax.config',
     'ConfigError': 'pagedjax.config',
-    'Engine': 'pagedjax.engine', 'RequestError': 'pagedjax.host.intake',
-    'SamplingParams': 'pagedjax.host.sampling_params', 'Completion': 'pagedjax.host.sequence',
+    'Engine': 'pagedjax.engine', 'RequestError': 'pagedjax.host.requests.intake',
+    'SamplingParams': 'pagedjax.host.requests.sampling_params', 'Completion': 'pagedjax.host.requests.sequence',
     'build_engine': 'pagedjax.factory', 'make_engine': 'pagedjax.factory',
     'load_model_and_tokenizer': 'pagedjax.factory',
 }

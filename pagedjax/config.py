@@ -19,17 +19,16 @@ import ml_collections
 
 from pagedjax.kernels import IMPLS
 from pagedjax.device import kv_schemes
-from pagedjax.host.block_manager import KINDS as POOL_KINDS
+from pagedjax.host.scheduling.block_manager import KINDS as POOL_KINDS
 from pagedjax.host.capacity import ConfigError  # defined without jax: host code raises it too
-from pagedjax.host.disk_store import MAX_SLOTS as DISK_MAX_SLOTS
+from pagedjax.host.tiers.disk_store import MAX_SLOTS as DISK_MAX_SLOTS
 from pagedjax.host import policies
-from pagedjax.host.prefix_cache import DESIGNS as PREFIX_DESIGNS
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.scheduler import PREEMPTION_POLICIES
-from pagedjax.host.tier_cost import PROMOTION_RULES
+from pagedjax.host.cache.prefix_cache import DESIGNS as PREFIX_DESIGNS
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.scheduler import PREEMPTION_POLICIES
+from pagedjax.host.tiers.tier_cost import PROMOTION_RULES
 from pagedjax.model import sharding
 from pagedjax.model.llama import DTYPES, ModelConfig
-from pagedjax.workloads import DATASETS
 
 MODEL_SOURCES = ('smollm2', 'gguf', 'safetensors', 'random')
 KV_DTYPES = ('auto',) + kv_schemes.KV_DTYPES
@@ -244,7 +243,7 @@ class PrefixCacheConfig:
   # leaves_first, gdsf, session_recency, s3fifo) or 'package.module:Class'
   eviction: str = 'lru'
   # Demote a session's idle blocks as a unit once it has been idle this long (engine-clock
-  # seconds; host/sessions.py); 0 = only when the pool needs the room.
+  # seconds; host/cache/sessions.py); 0 = only when the pool needs the room.
   session_idle_s: float = 0.0
 
   def validate(self):
@@ -261,7 +260,7 @@ class PrefixCacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TiersConfig:
-  """KV tiers under the prefix cache (pagedjax/host/kv_tiers.py): host RAM (tier 2) and a
+  """KV tiers under the prefix cache (pagedjax/host/tiers/kv_tiers.py): host RAM (tier 2) and a
   tensorstore kvstore (tier 3) keep blocks the device evicts, and promote them back on a hit."""
   host_blocks: int = 0  # tier-2 capacity in blocks; 0 = no host tier
   disk_blocks: int = 0  # tier-3 capacity in blocks; 0 = no disk tier
@@ -272,7 +271,7 @@ class TiersConfig:
   eviction: str = 'lru'  # within tiers 2 and 3: a policies.EVICTION name or 'module:Class'
   # Most device blocks prefix_cache.pin() may keep (pinned prefixes are never evicted).
   pinned_blocks: int = 0
-  # Cost-model figures (host/tier_cost.py); 0 = measured at engine start when a rule needs
+  # Cost-model figures (host/tiers/tier_cost.py); 0 = measured at engine start when a rule needs
   # them (tiers.promotion 'auto', scheduler.preemption 'auto', scheduler.victim 'cost').
   prefill_s_per_token: float = 0.0
   host_bytes_per_s: float = 0.0
@@ -289,7 +288,7 @@ class TiersConfig:
         _fail(f'tiers.{name}', value, 'an integer >= 0 (blocks; 0 = none)')
     if self.disk_blocks > DISK_MAX_SLOTS:
       _fail('tiers.disk_blocks', self.disk_blocks,
-            f'at most {DISK_MAX_SLOTS:,} (the disk arrays\' slots, host/disk_store.py)')
+            f'at most {DISK_MAX_SLOTS:,} (the disk arrays\' slots, host/tiers/disk_store.py)')
     if (self.enabled or self.pinned_blocks) and not prefix_caching:
       name = next(n for n in ('host_blocks', 'disk_blocks', 'pinned_blocks') if getattr(self, n))
       _fail(f'tiers.{name}', getattr(self, name),
@@ -323,10 +322,10 @@ class TiersConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-  """KV offload for contexts longer than the device (pagedjax/host/offload.py): a long
+  """KV offload for contexts longer than the device (pagedjax/host/scheduling/offload.py): a long
   sequence keeps its newest `device_blocks` blocks in the pool, its older ones live in host RAM
   and stream through attention `chunk_blocks` at a time, every step, inside the engine's own
-  iterations (device/streamed_attention.py)."""
+  iterations (model/streamed_attention.py)."""
   # Host-RAM blocks for offloaded K/V (checked against host RAM at engine build); 0 = off: a
   # request that can never fit the pool is refused at submit.
   host_blocks: int = 0
@@ -500,28 +499,8 @@ def _build(cls, values: Dict[str, Any], name: str, allowed=None):
 
 
 def validate_config(config):
-  """Checks every field the decode experiments read (the typed sections, and the trace if the
-  config has one); raises ConfigError on the first bad one, else returns the ConfigDict."""
-  typed = Config.from_configdict(config)
-  if 'trace' in config:
-    validate_trace(config.trace, typed.engine.max_seq_len)
+  """Checks every field of the typed sections; raises ConfigError on the first bad one, else
+  returns the ConfigDict. (A study's own sections, such as the trace a trace job replays, are
+  checked by the study: pagedjax/studies/workloads.py validate_config.)"""
+  Config.from_configdict(config)
   return config
-
-
-def validate_trace(t, max_seq_len: int):
-  """config.trace: the synthetic workload a trace job replays (pagedjax.workloads)."""
-  if t.dataset not in DATASETS:
-    _fail('trace.dataset', t.dataset, f'one of {tuple(DATASETS)}')
-  for name in ('num_requests', 'max_input_len', 'max_output_len'):
-    if not _is_int(t[name]) or t[name] < 1:
-      _fail(f'trace.{name}', t[name], 'an integer >= 1')
-  if not _is_int(t.seed):
-    _fail('trace.seed', t.seed, 'an integer')
-  if isinstance(t.rate, bool) or not isinstance(t.rate, (int, float)) or not t.rate > 0:
-    _fail('trace.rate', t.rate, "requests/s > 0, or float('inf') for all at t=0")
-  if not isinstance(t.calibrate, bool):
-    _fail('trace.calibrate', t.calibrate, 'True (keep the dataset means under the length '
-          'limits) or False (clip the plain laws)')
-  if t.max_input_len >= max_seq_len:
-    _fail('trace.max_input_len', t.max_input_len,
-          f'less than engine.max_seq_len={max_seq_len}')

@@ -1,11 +1,11 @@
 """The engine: the decode loop that joins host bookkeeping and device steps.
 
-Each iteration (`step`): release the requests whose arrival time has come (host/intake.py), let
-the scheduler plan the iteration (host/scheduler.py), hand lanes to new running sequences
-(host/lanes.py), run the plan on the device (executor.py: block transfers and copies, then the
+Each iteration (`step`): release the requests whose arrival time has come (host/requests/intake.py), let
+the scheduler plan the iteration (host/scheduling/scheduler.py), hand lanes to new running sequences
+(host/scheduling/lanes.py), run the plan on the device (executor.py: block transfers and copies, then the
 jitted steps over the KV pool), append the sampled tokens, record the iteration's metrics
 (host/metrics.py; with the prefix hit-rate alert, host/alerts.py, and the admission throttle it
-drives), retire finished requests and advance beam groups (host/beam_search.py).
+drives), retire finished requests and advance beam groups (host/requests/beam_search.py).
 
 `clock` is simulated seconds: the measured time of the engine's own iterations without
 compilation (a one-off cost that would tax whichever run meets more shapes), idle gaps jumped
@@ -19,24 +19,24 @@ from typing import Callable, List, Optional, Sequence as Seq, Union
 
 from pagedjax import tiering
 from pagedjax.config import Config
-from pagedjax.device.step import CompiledStep
-from pagedjax.device.streamed_attention import StreamedAttention
+from pagedjax.model.step import CompiledStep
+from pagedjax.model.streamed_attention import StreamedAttention
 from pagedjax.executor import DEVICE
 from pagedjax.host.alerts import HitRateMonitor
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.beam_search import BeamSearch
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.completions import Completions
-from pagedjax.host.host_tier import HostTier
-from pagedjax.host.intake import RequestError  # pylint: disable=unused-import  (re-exported)
-from pagedjax.host.intake import RequestIntake, prompt_list
-from pagedjax.host.lanes import Lanes
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.requests.beam_search import BeamSearch
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.requests.completions import Completions
+from pagedjax.host.scheduling.swap_store import SwapStore
+from pagedjax.host.requests.intake import RequestError  # pylint: disable=unused-import  (re-exported)
+from pagedjax.host.requests.intake import RequestIntake, prompt_list
+from pagedjax.host.scheduling.lanes import Lanes
 from pagedjax.host.metrics import Metrics
-from pagedjax.host.offload import Offload
-from pagedjax.host.prefix_cache import make_prefix_cache
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.scheduler import Scheduler
-from pagedjax.host.sequence import Completion, Sequence, Status
+from pagedjax.host.scheduling.offload import Offload
+from pagedjax.host.cache.prefix_cache import make_prefix_cache
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.scheduler import Scheduler
+from pagedjax.host.requests.sequence import Completion, Sequence, Status
 from pagedjax.model.llama import ModelConfig
 
 # After this many iterations in a row that compute nothing (a stall: a bug, since admission and
@@ -81,7 +81,7 @@ class Engine:
     engine (factory.make_engine passes it with params and a step_fn built for it); the pool is
     then created split over KV heads. backend: executor.DEVICE, or pagedjax/sim's simulated one.
     """
-    self.cfg, self.config = model_cfg, config.validate()
+    self.model_cfg, self.config = model_cfg, config.validate()
     pool_cfg, eng, sched = config.pool, config.engine, config.scheduler
     self.block_size, self.tokenizer, self.eos_id = pool_cfg.block_size, tokenizer, eos_id
     self.max_seq_len = min(eng.max_seq_len, model_cfg.max_seq_len)
@@ -96,17 +96,17 @@ class Engine:
         watermark_blocks=int(sched.watermark * (pool_cfg.num_blocks - 1)))
     pool = backend.init_model_pool(model_cfg, pool_cfg.num_blocks, pool_cfg.block_size,
                                    pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
-    self.tier = tier = (HostTier(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks
+    self.swap_store = swap = (SwapStore(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks
                                  - 1) if sched.preemption != 'recompute' else None)
     self.stats = collections.Counter()
     self.executor = backend.executor(
         params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
         self.block_manager, vocab_size=model_cfg.vocab_size, max_batch_size=eng.max_batch_size,
-        prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, tier=tier, timer=timer,
+        prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, swap_store=swap, timer=timer,
         stats=self.stats, decode_min_rows=eng.decode_min_rows)
     self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
     self.offload = self._build_offload(config, model_cfg, backend)  # None: off
-    cost = None  # the cost model preemption weighs (host/tier_cost.py), measured on the device
+    cost = None  # the cost model preemption weighs (host/tiers/tier_cost.py), measured on the device
     if sched.preemption == 'auto' or sched.victim == 'cost':
       cost = (self.tiers and self.tiers.cost) or backend.preemption_cost(config.tiers,
                                                                           self.executor)
@@ -116,7 +116,7 @@ class Engine:
                                 eng.max_batch_size * eng.prefill_chunk),
         preemption=sched.preemption, victim=sched.victim, admission=sched.admission,
         admission_horizon=sched.admission_horizon, queue_order=sched.queue_order,
-        host_allocator=tier and tier.allocator,
+        host_allocator=swap and swap.allocator,
         cost=cost, offload=self.offload)
     self.intake = RequestIntake(
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,
@@ -134,7 +134,7 @@ class Engine:
     self.finished = self.completions.finished  # request id -> Completion
 
   def _build_offload(self, config: Config, model_cfg: ModelConfig, backend):
-    """Offload (host/offload.py) and its streamed path on the executor, when
+    """Offload (host/scheduling/offload.py) and its streamed path on the executor, when
     config.offload.host_blocks > 0; else None."""
     off = config.offload
     if not off.enabled:
@@ -185,7 +185,7 @@ class Engine:
   def _queue(self, request: tuple) -> List[int]:
     """Queues a checked request; returns the ids of the completions it will make."""
     ids, params, arrival = request
-    group = self.intake.admit(ids, params, arrival)
+    group = self.intake.enqueue(ids, params, arrival)
     if group[0].beam:
       self.beams.groups.append(group[0].beam)
     self.completions.track(group)

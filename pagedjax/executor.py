@@ -1,15 +1,15 @@
-"""Runs one iteration's plan (pagedjax/host/scheduler.py) on the device, in this order:
+"""Runs one iteration's plan (pagedjax/host/scheduling/scheduler.py) on the device, in this order:
 
   1. one gather of every block swapped out and every block demoted to a lower KV tier since the
-     last gather (host/kv_tiers.py: evicted ones must be read before this iteration writes into
+     last gather (host/tiers/kv_tiers.py: evicted ones must be read before this iteration writes into
      them), one gather of the blocks offloaded sequences move out of their windows
-     (host/offload.py), then one copy of every copy-on-write block, then one scatter of every
+     (host/scheduling/offload.py), then one copy of every copy-on-write block, then one scatter of every
      block swapped in and every block promoted from a lower tier
      (pagedjax/device/block_transfer.py; block ids padded to power-of-two buckets with the null
      block);
   2. one jitted step for the prompt chunks, then one for the decodes (one query token each),
-     then each row of an offloaded sequence (one with blocks in host RAM, host/offload.py)
-     through the streamed path (device/streamed_attention.py), one row at a time;
+     then each row of an offloaded sequence (one with blocks in host RAM, host/scheduling/offload.py)
+     through the streamed path (model/streamed_attention.py), one row at a time;
   3. with write-through tiers, one gather of the blocks those steps filled and the cache took.
      Two calls rather than one mixed batch: a mixed batch is padded to its longest row, so every
      decode row would pay for a whole chunk of query tokens. Chunks go first, so a prompt that
@@ -30,13 +30,13 @@ import numpy as np
 from pagedjax import tiering
 from pagedjax.device import block_transfer, traces
 from pagedjax.device import pool as pool_lib
-from pagedjax.device.step import CompiledStep
-from pagedjax.device.streamed_attention import StreamedRow
-from pagedjax.host import beam as beam_lib
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.host_tier import HostTier
-from pagedjax.host.scheduler import Plan
-from pagedjax.host.step_inputs import (RowSpec, bucket, build_step_inputs, padded_ids,
+from pagedjax.model.step import CompiledStep
+from pagedjax.model.streamed_attention import StreamedRow
+from pagedjax.host.requests import beam as beam_lib
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.scheduling.swap_store import SwapStore
+from pagedjax.host.scheduling.scheduler import Plan
+from pagedjax.host.scheduling.step_inputs import (RowSpec, bucket, build_step_inputs, padded_ids,
                                        power_of_two_buckets)
 
 
@@ -46,10 +46,10 @@ class PlanExecutor:
 
   def __init__(self, params, pool, step_fn, blocks: BlockManager, *, vocab_size: int,
                max_batch_size: int, prefill_chunk: int, max_seq_len: int,
-               tier: Optional[HostTier], timer: Callable[[], float], stats: collections.Counter,
+               swap_store: Optional[SwapStore], timer: Callable[[], float], stats: collections.Counter,
                decode_min_rows: int = 8):
     self.params, self.pool, self.step_fn = params, pool, step_fn
-    self.blocks, self.tier = blocks, tier
+    self.blocks, self.swap_store = blocks, swap_store
     self.vocab_size = vocab_size
     self._timer, self.stats = timer, stats
     self.record_logits = step_fn.return_logits
@@ -132,7 +132,7 @@ class PlanExecutor:
     data = jax.device_get(
         block_transfer.gather_blocks(self.pool, padded_ids(ids, self.transfer_buckets)))
     if device:
-      self.tier.store([b for _, dst in copies for b in dst], data)
+      self.swap_store.store([b for _, dst in copies for b in dst], data)
     if demoted:
       tiers = self.blocks.tiers
       tiers.store_demotions(demoted, {name: a[:, len(device):len(ids)]
@@ -154,7 +154,7 @@ class PlanExecutor:
     start = self._timer()
     host = [b for src, _ in copies for b in src]
     ids = [b for _, dst in copies for b in dst] + [p.block for p in promoted]
-    parts = ([self.tier.load(host, len(host))] if host else []) + (
+    parts = ([self.swap_store.load(host, len(host))] if host else []) + (
         [self.blocks.tiers.load(promoted)] if promoted else [])
     padded = padded_ids(ids, self.transfer_buckets)
     data = {}

@@ -14,7 +14,7 @@ import jax
 from pagedjax import kernels
 from pagedjax.config import Config, ConfigError, validate_model_shape
 from pagedjax.device import pool as pool_lib
-from pagedjax.device.step import CompiledStep
+from pagedjax.model.step import CompiledStep
 from pagedjax.engine import Engine
 from pagedjax.model import sharding, weights
 from pagedjax.model.llama import init_params
@@ -122,5 +122,5 @@ def make_engine(config, model_cfg, params, tokenizer, **engine_kwargs) -> Engine
                      f'config.mesh.model={tp} needs {mesh}: build it with '
                      'CompiledStep(..., mesh=sharding.make_mesh(tp))')
   # The pool is created in shards; every step donates it and returns it with the same sharding
-  # (device/step.py): it stays split, in place.
+  # (model/step.py): it stays split, in place.
   return Engine(sharded_cfg, params, config, mesh=mesh, **kwargs)

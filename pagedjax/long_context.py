@@ -1,7 +1,7 @@
 """A context several times the device's KV memory, served by the engine: a thin front.
 
-The engine itself serves such a request with KV offload (config.offload; pagedjax/host/offload.py
-and device/streamed_attention.py): the sequence's newest `window_blocks` blocks stay in the
+The engine itself serves such a request with KV offload (config.offload; pagedjax/host/scheduling/offload.py
+and model/streamed_attention.py): the sequence's newest `window_blocks` blocks stay in the
 device pool, its older ones live in host RAM and stream through attention `chunk_blocks` at a
 time inside the engine's iterations, beside its other requests, with every sampling mode.
 `LongContextDecoder` is that engine with a pool of `pool_blocks` blocks, and a loop that steps it
@@ -25,7 +25,7 @@ import numpy as np
 
 from pagedjax.config import Config, OffloadConfig
 from pagedjax.engine import Engine
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.model.llama import ModelConfig
 
 
@@ -100,7 +100,7 @@ class LongContextDecoder:
     """base: the engine's other sections (default Config()); settings replace its pool
     shape, prefill chunk and offload section."""
     self.settings = settings.validate()
-    self.cfg = model_cfg
+    self.model_cfg = model_cfg
     config = settings.config(base or Config(), model_cfg.max_seq_len)
     self.engine = Engine(model_cfg, params, config, record_logits=record_logits,
                          step_fn=step_fn, tokenizer=tokenizer, eos_id=eos_id)
@@ -138,6 +138,6 @@ class LongContextDecoder:
         step_seconds=steps['seconds'], step_bytes_streamed=steps['bytes'],
         step_host_blocks=steps['host'], prompt_bytes_streamed=prompt_bytes,
         host_blocks=max(steps['host'], default=0),
-        window_bytes=s.window_blocks * self.cfg.num_layers * self.block_bytes,
+        window_bytes=s.window_blocks * self.model_cfg.num_layers * self.block_bytes,
         chunk_bytes=s.chunk_blocks * self.block_bytes,
         compilations=engine.num_compilations - compiled, logits=done.logits)

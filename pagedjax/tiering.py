@@ -1,4 +1,4 @@
-"""An engine's KV tiers (host/kv_tiers.py) built from config.tiers: the fingerprint that names its
+"""An engine's KV tiers (host/tiers/kv_tiers.py) built from config.tiers: the fingerprint that names its
 disk blocks, and the cost model's figures, measured on this machine at engine start. Like
 executor.py, this file joins host bookkeeping and device code.
 
@@ -48,11 +48,11 @@ import jax
 import numpy as np
 
 from pagedjax.device import block_transfer, kv_quant, kv_schemes, pool as pool_lib
-from pagedjax.host.allocator import NULL_BLOCK
-from pagedjax.host.disk_store import FORMAT_VERSION, DiskStore
-from pagedjax.host.kv_tiers import BlockLayout, KVTiers
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs, padded_ids
-from pagedjax.host.tier_cost import CostModel
+from pagedjax.host.scheduling.allocator import NULL_BLOCK
+from pagedjax.host.tiers.disk_store import FORMAT_VERSION, DiskStore
+from pagedjax.host.tiers.kv_tiers import BlockLayout, KVTiers
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs, padded_ids
+from pagedjax.host.tiers.tier_cost import TierCosts
 from pagedjax.model import llama, weights
 
 CALIBRATION_BLOCKS = 8
@@ -113,12 +113,12 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
   return tiers.attach(cache)
 
 
-def preemption_cost(t, executor) -> CostModel:
+def preemption_cost(t, executor) -> TierCosts:
   """The cost model preemption weighs when no KV tiers were built (no disk figures)."""
   return calibrated_cost(t, executor, BlockLayout(executor.pool.block_array_shapes()), None)
 
 
-def calibrated_cost(t, executor, layout: BlockLayout, disk: Optional[DiskStore]) -> CostModel:
+def calibrated_cost(t, executor, layout: BlockLayout, disk: Optional[DiskStore]) -> TierCosts:
   """The cost model with config.tiers' figures, measuring each one left at 0."""
   prefill = t.prefill_s_per_token or measure_prefill_s_per_token(executor)
   host = (t.host_bytes_per_s, t.host_latency_s)
@@ -130,7 +130,7 @@ def calibrated_cost(t, executor, layout: BlockLayout, disk: Optional[DiskStore])
     measured = (disk.measure_read(CALIBRATION_BLOCKS) if disk is not None and disk.enabled
                 else (math.inf, math.inf))  # no disk tier: never a tier-3 load
     disk_figures = tuple(v or m for v, m in zip(disk_figures, measured))
-  return CostModel.for_tiers(executor.block_size, layout.nbytes, prefill, host, disk_figures)
+  return TierCosts.for_tiers(executor.block_size, layout.nbytes, prefill, host, disk_figures)
 
 
 def _best_time(fn, repeats: int = CALIBRATION_REPEATS) -> float:

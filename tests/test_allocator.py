@@ -3,7 +3,7 @@ import random
 import numpy as np
 import pytest
 
-from pagedjax.host.allocator import AllocationError, BlockAllocator, FreeIds
+from pagedjax.host.scheduling.allocator import AllocationError, BlockAllocator, FreeIds
 
 
 def test_null_block_is_never_handed_out():

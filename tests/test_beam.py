@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.host import beam
+from pagedjax.host.requests import beam
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import check_blocks
 from tiny_models import VOCAB, dense_fn, make_engine, prompts, run_experiment, tiny

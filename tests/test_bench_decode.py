@@ -3,7 +3,7 @@
 to HF generate's. No wall-clock thresholds: timings on a shared CPU are only reported.
 
 Also the two decode programs the benchmark compares, on a tiny model: the engine's step with its
-layers unrolled over per-layer views of the weights (device/step.py decode_layers) against the
+layers unrolled over per-layer views of the weights (model/step.py decode_layers) against the
 scan, and the plain unrolled JAX step (experiments/plain_step.py) against the engine."""
 import csv
 import json
@@ -14,8 +14,8 @@ import pytest
 
 from pagedjax import kernels
 from experiments import plain_step
-from pagedjax.device.step import AUTO_UNROLLED_MIN_ROWS, CompiledStep
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.model.step import AUTO_UNROLLED_MIN_ROWS, CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import make_engine, prompts, run_experiment, tiny
 
 

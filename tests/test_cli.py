@@ -1,4 +1,4 @@
-"""Experiment plumbing (experiments/cli.py, pagedjax/run_info.py): result files replaced
+"""Experiment plumbing (experiments/cli.py, pagedjax/studies/run_info.py): result files replaced
 atomically, the workdir checked before anything runs and locked by one run at a time, unknown
 override fields named, and the git state read without taking the checkout's index lock."""
 import fcntl
@@ -12,7 +12,7 @@ import pytest
 from ml_collections import config_dict
 
 from experiments import cli
-from pagedjax import run_info
+from pagedjax.studies import run_info
 from pagedjax.config import Config, ConfigError, ModelSection
 
 

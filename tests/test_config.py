@@ -3,7 +3,8 @@ import pytest
 from configs import default
 from pagedjax import kernels
 from pagedjax import factory
-from pagedjax.config import ConfigError, validate_config
+from pagedjax.config import ConfigError
+from pagedjax.studies.workloads import validate_config
 
 
 def test_default_and_tiny_configs_are_valid():

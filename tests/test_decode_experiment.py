@@ -9,7 +9,7 @@ from configs import default
 from experiments import decode
 from pagedjax import factory
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from fakes import FakeStep, fake_engine
 from tiny_models import run_experiment
 

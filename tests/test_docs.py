@@ -150,7 +150,7 @@ def test_the_checker_catches_what_it_is_for(tmp_path):
       '| `test_progress.py::test_no_such_test`, `::test_every_accepted_request_finishes` |',
       '`::test_orphan` [a link](no_such.md)',
       # all of these exist or are outputs, and must pass:
-      '`pagedjax/model/sharding.py` `host/intake.py` `allocator.py` `configs/default.py:tiny`',
+      '`pagedjax/model/sharding.py` `host/requests/intake.py` `allocator.py` `configs/default.py:tiny`',
       '`python -m experiments.decode --config=configs/default.py --workdir=runs/default`',
       '`summary.json` `table.md` `~/.cache/pagedjax` `$OUT` `file:///dir/` `runs/a/b.csv`',
       '`tests/test_docs.py::test_the_checker_catches_what_it_is_for` [readme](' +

@@ -10,8 +10,8 @@ import pytest
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine
 from pagedjax.host import kv_events
-from pagedjax.host.prefix_cache import block_key
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.cache.prefix_cache import block_key
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import CFG, FakeClock, FakeStep, check_blocks
 from tiny_models import engine_config, prompts

@@ -1,4 +1,4 @@
-"""KV tiers (pagedjax/host/kv_tiers.py, tier_index.py, disk_store.py, tier_cost.py) without a
+"""KV tiers (pagedjax/host/tiers/kv_tiers.py, tier_index.py, disk_store.py, tier_cost.py) without a
 model: the pieces on hand-made cases, then random traces through a model-free engine whose fake
 step writes each token's identity into its K/V slot, so every block in every tier can be checked
 to hold exactly the tokens its key names."""
@@ -17,15 +17,16 @@ from hypothesis import event, given, settings, strategies as st
 
 from configs import default
 from pagedjax import config as config_lib
+from pagedjax.studies import workloads
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine
-from pagedjax.host import disk_store
-from pagedjax.host.disk_store import DiskStore
-from pagedjax.host.kv_tiers import BlockLayout, content_digest
-from pagedjax.host.prefix_cache import PinError, block_content, block_key, chain_keys
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.tier_cost import CostModel
-from pagedjax.host.tier_index import TierIndex
+from pagedjax.host.tiers import disk_store
+from pagedjax.host.tiers.disk_store import DiskStore
+from pagedjax.host.tiers.kv_tiers import BlockLayout, content_digest
+from pagedjax.host.cache.prefix_cache import PinError, block_content, block_key, chain_keys
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.tiers.tier_cost import TierCosts
+from pagedjax.host.tiers.tier_index import TierIndex
 
 import fakes
 from fakes import FakeClock, FakeStep, check_blocks, expected_outputs
@@ -37,7 +38,7 @@ from tiny_models import engine_config
 def test_chain_keys_are_the_same_in_every_process():
   """Disk entries are found again after a restart only if keys do not depend on the process
   (Python's hash of a str or None does): these values are fixed."""
-  code = ('from pagedjax.host.prefix_cache import chain_keys; '
+  code = ('from pagedjax.host.cache.prefix_cache import chain_keys; '
           'print(chain_keys([5, 6, 7, 8, 9, 10], 3, 2, salt="tenant"))')
   outs = {subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          check=True, env={**os.environ, 'PYTHONHASHSEED': seed}).stdout
@@ -76,18 +77,18 @@ def test_tier_index_evicts_by_policy_and_never_a_busy_entry():
 
 def test_cost_model_picks_the_cheaper_prefix():
   # 16-token blocks of 1 MB; recompute 1 ms per token = 16 ms per block.
-  cost = CostModel.for_tiers(16, 10**6, 1e-3, host=(1e9, 1e-3), disk=(1e8, 5e-3))
+  cost = TierCosts.for_tiers(16, 10**6, 1e-3, host=(1e9, 1e-3), disk=(1e8, 5e-3))
   assert cost.recompute_s(2) == pytest.approx(0.032)
   assert cost.load_s([2, 2]) == pytest.approx(1e-3 + 2e-3)
   # tier 3: 1/bw = 1/1e8 + 1/1e9 -> 11 ms per block; latency 6 ms
   assert cost.load_s([3]) == pytest.approx(6e-3 + 11e-3)
   assert cost.blocks_to_load([2, 2, 3, 3], 'auto') == 4
-  slow_disk = CostModel.for_tiers(16, 10**6, 1e-3, host=(1e9, 1e-3), disk=(1e7, 0.05))
+  slow_disk = TierCosts.for_tiers(16, 10**6, 1e-3, host=(1e9, 1e-3), disk=(1e7, 0.05))
   # Loading the disk blocks costs 50 ms + 101 ms each; recomputing them 16 ms each.
   assert slow_disk.blocks_to_load([2, 2, 3, 3], 'auto') == 2
   assert slow_disk.blocks_to_load([2, 2, 3, 3], 'load') == 4
   assert slow_disk.blocks_to_load([2, 2, 3, 3], 'recompute') == 0
-  tiny_blocks = CostModel.for_tiers(16, 10**6, 1e-6, host=(1e9, 1e-3), disk=(1e8, 5e-3))
+  tiny_blocks = TierCosts.for_tiers(16, 10**6, 1e-6, host=(1e9, 1e-3), disk=(1e8, 5e-3))
   assert tiny_blocks.blocks_to_load([2], 'auto') == 0  # 1 ms latency > 16 us of prefill
   with pytest.raises(ValueError, match='promotion rule'):
     cost.blocks_to_load([2], 'sometimes')
@@ -216,7 +217,7 @@ def test_config_rejects(fields, message):
   config.prefix_cache.enabled = fields.pop('enabled', True)
   config.tiers.update(fields)
   with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate_config(config)
+    workloads.validate_config(config)
 
 
 def test_config_section_is_typed():

@@ -16,9 +16,9 @@ import pytest
 
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine
-from pagedjax.host.disk_store import DiskStore
-from pagedjax.host.kv_tiers import KVTiers
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.tiers.disk_store import DiskStore
+from pagedjax.host.tiers.kv_tiers import KVTiers
+from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.model.llama import init_params
 
 from fakes import check_blocks

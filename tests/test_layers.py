@@ -1,5 +1,6 @@
 """The layers the folders promise: host bookkeeping runs without jax; device code never imports
-the host package; the two sides agree on the null block."""
+the host or model packages; the library never imports the studies' helpers; the two sides agree
+on the null block."""
 import ast
 import pathlib
 import subprocess
@@ -8,7 +9,8 @@ import sys
 import pagedjax
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOST = sorted(p.stem for p in (ROOT / 'pagedjax' / 'host').glob('*.py') if p.stem != '__init__')
+HOST = sorted('.'.join(p.relative_to(ROOT / 'pagedjax' / 'host').with_suffix('').parts)
+              for p in (ROOT / 'pagedjax' / 'host').rglob('*.py') if p.stem != '__init__')
 
 
 def test_every_host_module_imports_with_jax_unimportable():
@@ -32,7 +34,9 @@ print('ok', len({HOST!r}))
                        check=False)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == f'ok {len(HOST)}'
-  assert {'allocator', 'scheduler', 'block_manager', 'intake', 'step_inputs'} <= set(HOST)
+  assert {'scheduling.allocator', 'scheduling.scheduler', 'scheduling.block_manager',
+          'requests.intake', 'scheduling.step_inputs', 'cache.prefix_cache', 'tiers.kv_tiers',
+          'policies'} <= set(HOST)
 
 
 def _imported_modules(path: pathlib.Path):
@@ -44,16 +48,28 @@ def _imported_modules(path: pathlib.Path):
       yield from (f'{node.module}.{alias.name}' for alias in node.names)
 
 
-def test_device_code_never_imports_host_code():
+def test_device_code_never_imports_host_or_model_code():
+  # The model builds on the pool (device/); the pool never reaches back (no import cycle).
   for path in (ROOT / 'pagedjax' / 'device').glob('*.py'):
     imported = list(_imported_modules(path))
     assert imported or path.name in ('__init__.py', 'traces.py'), path.name
-    assert not [m for m in imported if m.startswith('pagedjax.host')], path.name
+    assert not [m for m in imported if m.startswith(('pagedjax.host', 'pagedjax.model'))], (
+        path.name)
+
+
+def test_the_library_never_imports_the_studies_helpers():
+  library = [p for p in (ROOT / 'pagedjax').rglob('*.py')
+             if 'studies' not in p.relative_to(ROOT / 'pagedjax').parts[:1]
+             and 'kernels' not in p.relative_to(ROOT / 'pagedjax').parts[:1]]
+  assert len(library) > 40
+  for path in library:
+    bad = [m for m in _imported_modules(path) if m.startswith('pagedjax.studies')]
+    assert not bad, (path.relative_to(ROOT), bad)
 
 
 def test_host_and_device_agree_on_the_null_block():
   from pagedjax.device import pool  # pylint: disable=import-outside-toplevel
-  from pagedjax.host import allocator  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.scheduling import allocator  # pylint: disable=import-outside-toplevel
   assert pool.NULL_BLOCK == allocator.NULL_BLOCK == 0
 
 

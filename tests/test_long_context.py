@@ -1,5 +1,5 @@
 """Contexts longer than the device pool, served by the engine with KV offload
-(pagedjax/host/offload.py, pagedjax/device/streamed_attention.py).
+(pagedjax/host/scheduling/offload.py, pagedjax/model/streamed_attention.py).
 
 A tiny random model with a 4-block pool of 8 tokens (32 tokens) serves prompts of 4x and 16x
 that pool: each long sequence keeps its newest 2 blocks on the device, older ones in host RAM,
@@ -19,10 +19,10 @@ import pytest
 
 from pagedjax.kernels import contract
 from pagedjax.config import ConfigError, OffloadConfig
-from pagedjax.device import streamed_attention as sa
+from pagedjax.model import streamed_attention as sa
 from pagedjax.engine import Engine
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
 from tiny_models import engine_config, prompts, tiny
 

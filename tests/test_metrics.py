@@ -3,7 +3,7 @@ import pytest
 
 from fakes import FakeClock, fake_engine
 from pagedjax.host.metrics import WASTE
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 
 def one_request(kind):
@@ -88,7 +88,7 @@ def test_goodput_leaves_out_aborted_requests_and_preemptions_are_counted_per_req
   """Goodput: tokens of requests that finished, over first arrival to last finish; an aborted
   request's tokens count in throughput only. Re-preempted: preempted at least twice."""
   from pagedjax.host.metrics import Metrics  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.sequence import Completion  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.requests.sequence import Completion  # pylint: disable=import-outside-toplevel
   m = Metrics(block_size=4, num_blocks=9)
   for request_id, outputs, reason, preemptions in ((0, 6, 'length', 0), (1, 4, 'length', 2),
                                                    (2, 2, 'aborted', 1)):

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.device.step import CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.model.step import CompiledStep
 from tiny_models import dense_logits, make_engine, prompts, tiny
 
 ATOL_F32 = 1e-4

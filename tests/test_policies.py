@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 from pagedjax.config import Config, ConfigError, PrefixCacheConfig, SchedulerConfig, TiersConfig
 from pagedjax.engine import Engine
 from pagedjax.host import policies
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.tier_index import TierIndex
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.tiers.tier_index import TierIndex
 from pagedjax.sim import simulated_device as sd
 from pagedjax import sizing
 
@@ -194,7 +194,7 @@ def test_every_online_policy_keeps_the_protocol(name, ops):
   cached, evictable, parked = set(), set(), set()
   for op, key, flag in ops:
     if op == 'admit' and key not in cached:
-      queue.admit(key, depth=key % 3, chain_key=1000 + key)
+      queue.add(key, depth=key % 3, chain_key=1000 + key)
       cached.add(key)
     elif op == 'push' and key in cached:
       queue.push(key, (1 + key % 2, key) if flag else None)
@@ -234,26 +234,26 @@ def test_every_online_policy_keeps_the_protocol(name, ops):
 def test_s3fifo_evicts_one_hit_wonders_before_blocks_hit_while_queued():
   queue = policies.S3FIFO()
   for key in (1, 2, 3):
-    queue.admit(key, chain_key=10 + key)
+    queue.add(key, chain_key=10 + key)
   queue.hit(1)
   for key in (1, 2, 3):
     queue.push(key)
   assert queue.pop() == 2  # 1 was hit in the small FIFO: it moves to main instead
   queue.remove(2)
-  queue.admit(4, chain_key=12)  # 2's content back while its ghost is remembered: to main
+  queue.add(4, chain_key=12)  # 2's content back while its ghost is remembered: to main
   queue.push(4)
   assert queue.pop() == 3 and queue.pop() in (1, 4)
 
 
 def test_gdsf_ages_and_weighs_depth():
   queue = policies.GDSF()
-  queue.admit('shallow', depth=0)
-  queue.admit('deep', depth=20)
+  queue.add('shallow', depth=0)
+  queue.add('deep', depth=20)
   queue.push('shallow')
   queue.push('deep')
   assert queue.pop() == 'shallow' and queue.inflation == 1.0  # deep costs 2x to recompute
   queue.remove('shallow')
-  queue.admit('new', depth=0)
+  queue.add('new', depth=0)
   queue.push('new')  # H = inflation + 1 = 2.0, the same as deep's: the older entry goes first
   assert queue.pop() == 'deep'
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from configs import policy_lab as lab_config
 from experiments import policy_lab as lab
 from pagedjax.host import policies
-from pagedjax.workloads import BlockTraceRecord
+from pagedjax.studies.workloads import BlockTraceRecord
 
 ONLINE_ROWS = [row for row in lab.ROWS if row not in lab.OFFLINE]
 
@@ -105,10 +105,10 @@ def test_hit_density_learns_when_blocks_come_back():
   be read go last; LRU would evict those first."""
   queue = policies.HitDensity()
   queue.refit_every = 64
-  queue.admit('stale', depth=0, chain_key=-1)
+  queue.add('stale', depth=0, chain_key=-1)
   queue.push('stale')
   for step in range(2000):
-    queue.admit(step, depth=0, chain_key=step)
+    queue.add(step, depth=0, chain_key=step)
     queue.push(step)
     if step >= 150:  # read again: taken by a sequence, and held from then on
       queue.hit(step - 150)

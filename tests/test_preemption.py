@@ -11,11 +11,11 @@ import pytest
 
 from pagedjax.device import pool as pool_lib
 from pagedjax.model.llama import ModelConfig, init_params
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.device.step import CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.model.step import CompiledStep
 from pagedjax.device import block_transfer
-from pagedjax.host.step_inputs import padded_ids, power_of_two_buckets
-from pagedjax.host.host_tier import HostTier
+from pagedjax.host.scheduling.step_inputs import padded_ids, power_of_two_buckets
+from pagedjax.host.scheduling.swap_store import SwapStore
 from tiny_models import build_engine
 
 GREEDY = SamplingParams(max_new_tokens=24)
@@ -72,8 +72,8 @@ def test_outputs_identical_under_preemption(kw, policy, params):
     assert stats['preemptions'] == 0 and engine.metrics.summary()['peak_concurrent_sequences'] == 2
   assert sum(c.num_preemptions for c in done) == stats['preemptions']
   assert engine.allocator.num_free == engine.allocator.num_blocks - 1
-  if engine.tier:
-    assert engine.tier.allocator.num_used == 0
+  if engine.swap_store:
+    assert engine.swap_store.allocator.num_used == 0
 
 
 # Cost-model figures that make one choice certain (no calibration: the test states them).
@@ -117,7 +117,7 @@ def test_host_tier_round_trip_moves_exactly_the_blocks():
   k, v = (jax.random.normal(key, shape) for key in keys)
   pool = pool_lib.KVPool(k=k, v=v)
   want_k, want_v = np.asarray(k), np.asarray(v)
-  tier = HostTier(pool.block_array_shapes(), num_blocks=6)
+  tier = SwapStore(pool.block_array_shapes(), num_blocks=6)
   host = tier.allocator.allocate(3)
   buckets = power_of_two_buckets(11)
   data = block_transfer.gather_blocks(pool, padded_ids([3, 5, 9], buckets))

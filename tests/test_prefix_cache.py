@@ -7,11 +7,12 @@ import pytest
 
 from configs import default
 from pagedjax import config as config_lib
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host import prefix_cache
-from pagedjax.host.prefix_cache import PrefixCache, block_content, chain_keys, make_prefix_cache
-from pagedjax.host.radix_cache import RadixCache
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.studies import workloads
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.cache import prefix_cache
+from pagedjax.host.cache.prefix_cache import PrefixCache, block_content, chain_keys, make_prefix_cache
+from pagedjax.host.cache.radix_cache import RadixCache
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import check_blocks
 from tiny_models import make_engine, prompts
@@ -111,7 +112,7 @@ def _config(**prefix):
     ('eviction', 'fifo', "one of \\('lru', 'lfu', ")])
 def test_config_rejects(field, value, message):
   with pytest.raises(config_lib.ConfigError, match=f'prefix_cache.{field}.*{message}'):
-    config_lib.validate_config(_config(**{field: value}))
+    workloads.validate_config(_config(**{field: value}))
 
 
 def test_config_section_becomes_typed_and_builds_the_cache():

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from pagedjax import engine as engine_lib
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import FakeClock, check_blocks, expected_outputs, fake_engine
 
@@ -64,7 +64,7 @@ def test_every_accepted_request_finishes(preemption, data, block_size, num_block
   for rid in accepted:
     assert engine.finished[rid].finish_reason in ('length', 'max_seq_len', 'eos')
   assert engine.allocator.num_used == 0
-  assert engine.tier is None or engine.tier.allocator.num_used == 0
+  assert engine.swap_store is None or engine.swap_store.allocator.num_used == 0
   event(f'preempted: {engine.stats["preemptions"] > 0}')
   event(f'beams preempted: {any(c.beams and c.num_preemptions for c in engine.finished.values())}')
 
@@ -76,9 +76,9 @@ def test_a_stalled_request_fails_alone_and_releases_its_blocks(monkeypatch):
   engine = fake_engine()
   stuck = engine.submit(list(range(30, 40)), SamplingParams(max_new_tokens=4))
   others = [engine.submit(OK_PROMPT, SamplingParams(max_new_tokens=5)) for _ in range(2)]
-  can_admit = engine.block_manager.can_admit
-  monkeypatch.setattr(engine.block_manager, 'can_admit',
-                      lambda seq, **kw: seq.request_id != stuck and can_admit(seq, **kw))
+  can_allocate = engine.block_manager.can_allocate_waiting
+  monkeypatch.setattr(engine.block_manager, 'can_allocate_waiting',
+                      lambda seq, **kw: seq.request_id != stuck and can_allocate(seq, **kw))
   done = {c.request_id: c for c in engine.run()}
   assert done[stuck].finish_reason == 'aborted' and done[stuck].output_ids == []
   for rid in others:

@@ -17,8 +17,8 @@ from hypothesis.extra import numpy as hnp
 from tokenizers import decoders, models, pre_tokenizers
 
 from pagedjax.engine import Engine
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.model.tokenizer import Tokenizer
 from tiny_models import VOCAB, engine_config, prompts, tiny
 

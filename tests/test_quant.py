@@ -18,8 +18,8 @@ import pytest
 from pagedjax.device import kv_quant as codecs
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig, SymmetricScheme
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 from tiny_models import dense_logits, make_engine, prompts
 
 HEAD_DIM = 12  # the tiny test model's (tiny_models.py): one group size serves every check

@@ -2,7 +2,7 @@
 import pytest
 
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import VOCAB, make_engine, prompts
 
 BAD = [

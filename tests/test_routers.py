@@ -11,7 +11,7 @@ import pytest
 from pagedjax.cluster import routers
 from pagedjax.cluster.index import KVIndex, prompt_keys
 from pagedjax.host import kv_events
-from pagedjax.host.tier_cost import CostModel
+from pagedjax.host.tiers.tier_cost import TierCosts
 
 BS = 4
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -105,7 +105,7 @@ def test_precise_prefers_held_prefix_then_device_tier_then_load():
 
 
 def test_tier_cost_expected_ttft_is_the_formula():
-  cost = CostModel.for_tiers(BS, block_bytes=1000, prefill_s_per_token=1e-3, host=(1e5, 0.002),
+  cost = TierCosts.for_tiers(BS, block_bytes=1000, prefill_s_per_token=1e-3, host=(1e5, 0.002),
                              disk=(1e4, 0.01))
   index = KVIndex()
   index.apply(0, stored(KEYS[:4]) + stored(KEYS[:8], 'CPU'))
@@ -125,7 +125,7 @@ def test_tier_cost_expected_ttft_is_the_formula():
   assert r.route(request(PROMPT), s) == 2
   s[0].queued_prefill_tokens = 0
   assert r.route(request(PROMPT), s) == 0  # 8 ms + 16 ms (host blocks recomputed) < 40 ms
-  fast_host = CostModel.for_tiers(BS, 1000, 1e-3, host=(1e9, 0.0), disk=(1e4, 0.01))
+  fast_host = TierCosts.for_tiers(BS, 1000, 1e-3, host=(1e9, 0.0), disk=(1e4, 0.01))
   s[0].cost = fast_host
   assert math.isclose(r.expected_ttft_s(request(PROMPT), s[0], held[0]), 0.008 + 4e-6)  # loaded
 

@@ -7,8 +7,8 @@ from hypothesis import event, given, settings, strategies as st
 
 from fakes import FakeClock, expected_outputs, fake_engine
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.sequence import Status
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.requests.sequence import Status
 
 
 def check_invariants(engine):
@@ -36,8 +36,8 @@ def check_invariants(engine):
   for s in engine.scheduler.swapped:
     assert s.status is Status.SWAPPED
     assert len(s.host_blocks) == bm.blocks_for(s.num_cached)
-  if engine.tier:
-    assert engine.tier.allocator.num_used == len(host) == len(set(host))
+  if engine.swap_store:
+    assert engine.swap_store.allocator.num_used == len(host) == len(set(host))
   for queue in (engine.scheduler.waiting, engine.running, engine.scheduler.swapped):
     assert queue == sorted(queue, key=lambda s: s.order), 'a queue lost FCFS order'
 
@@ -101,8 +101,8 @@ def test_random_traces_keep_invariants_and_outputs(kind, data, block_size, num_b
   for rid, want in accepted.items():
     assert engine.finished[rid].output_ids == want, rid
   assert engine.allocator.num_free == num_blocks - 1
-  if engine.tier:
-    assert engine.tier.allocator.num_used == 0
+  if engine.swap_store:
+    assert engine.swap_store.allocator.num_used == 0
   if kind == 'contiguous':
     assert engine.stats['preemptions'] == 0  # a reservation never grows
   for key in ('preemptions_recompute', 'preemptions_swap', 'swapped_in_blocks'):

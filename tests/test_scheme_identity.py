@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pagedjax.config import ConfigError, TiersConfig
 from pagedjax.device.kv_schemes import KV_DTYPES, KVQuantConfig
 from pagedjax.engine import Engine
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import engine_config, prompts, tiny
 
 GROUP, WINDOW = 6, 4  # int4 groups dividing the tiny model's head_dim of 12; a recent window

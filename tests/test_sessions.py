@@ -1,4 +1,4 @@
-"""Sessions (host/sessions.py): a conversation's cached blocks are evicted as one unit, in session
+"""Sessions (host/cache/sessions.py): a conversation's cached blocks are evicted as one unit, in session
 LRU/LFU order, an idle session is demoted to the lower tiers as a unit, and multi-turn greedy
 outputs stay token-identical to an all-device run (tiny random model, shared compiled step)."""
 import dataclasses
@@ -7,10 +7,10 @@ import pytest
 
 from pagedjax.config import TiersConfig
 from pagedjax.engine import Engine, RequestError
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.prefix_cache import PrefixCache, block_content
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.sessions import Sessions
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.cache.prefix_cache import PrefixCache, block_content
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.cache.sessions import Sessions
 
 from fakes import check_blocks
 from tiny_models import engine_config, make_engine, prompts, tiny

@@ -173,7 +173,7 @@ def test_replicated_kv_heads_are_the_same_model():
 def _worker():
   """Runs in the 8-device subprocess; prints one JSON line of findings for the test to check."""
   import warnings  # pylint: disable=import-outside-toplevel
-  from pagedjax.host.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.requests.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
   params = init_params(MODEL, seed=1)
   rng = np.random.default_rng(0)
   # Lengths cross blocks of 8; all fit one prefill chunk, so each mesh compiles only two step

@@ -9,7 +9,7 @@ import pytest
 
 from pagedjax.config import ConfigError
 from pagedjax.engine import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import FakeClock, FakeStep, check_blocks, expected_outputs, fake_engine, written_blocks
 from study_outputs import check_outputs, run_tiny

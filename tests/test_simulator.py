@@ -10,13 +10,14 @@ import types
 import numpy as np
 import pytest
 
-from pagedjax import sizing, workloads
+from pagedjax import sizing
+from pagedjax.studies import workloads
 from pagedjax.config import Config, ConfigError
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.step_inputs import power_of_two_buckets
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.step_inputs import power_of_two_buckets
 from pagedjax.sim import calibrate, hardware
 from pagedjax.sim import simulated_device as sd
 from pagedjax.sim.cost_model import CostModel, StepShape, decode_step, prefill_step

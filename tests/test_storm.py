@@ -12,11 +12,12 @@ import pytest
 
 from configs import default
 from fakes import CFG, FakeClock, FakeStep, expected_outputs
-from pagedjax import workloads
-from pagedjax.config import AlertsConfig, ConfigError, validate_config
+from pagedjax.studies import workloads
+from pagedjax.config import AlertsConfig, ConfigError
+from pagedjax.studies.workloads import validate_config
 from pagedjax.engine import Engine
 from pagedjax.host.alerts import HitRateMonitor
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import engine_config, prompts, tiny
 
 SWITCH_S, SYSTEM, LEAD_S, CAP = 40.0, 32, 5.0, 8

@@ -16,7 +16,8 @@ import pytest
 
 from configs import ablate_block_size, reproduce_memory as reproduce_config
 from experiments import block_overhead, cli, jobs, plots, reproduce_memory, sweep
-from pagedjax import executor, run_info
+from pagedjax import executor
+from pagedjax.studies import run_info
 from pagedjax.config import ConfigError
 from study_outputs import check_outputs, run_tiny
 

@@ -13,7 +13,7 @@ import pytest
 from fakes import CFG, FakeClock, FakeStep, check_blocks, expected_outputs
 from pagedjax.config import ConfigError, TiersConfig
 from pagedjax.engine import Engine
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import engine_config
 
 MAX_SEQ_LEN = 64

@@ -124,7 +124,7 @@ def test_tokenizer_round_trips_english(smollm2):
 
 @pytest.mark.slow
 def test_tokenizer_round_trips_kjv(smollm2):
-  text_data = pytest.importorskip('pagedjax.text_data', reason='KJV text module not present')
+  text_data = pytest.importorskip('pagedjax.studies.text_data', reason='KJV text module not present')
   _, _, tok = smollm2
   text = text_data.kjv_text()[:300_000]
   ids = tok.encode(text)

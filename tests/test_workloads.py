@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagedjax import text_data, workloads
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.prefix_cache import PrefixCache
-from pagedjax.host.radix_cache import RadixCache
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.sequence import Sequence
-from pagedjax.workloads import LengthDist
+from pagedjax.studies import text_data
+from pagedjax.studies import workloads
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.cache.prefix_cache import PrefixCache
+from pagedjax.host.cache.radix_cache import RadixCache
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.requests.sequence import Sequence
+from pagedjax.studies.workloads import LengthDist
 
 
 def word_encode(text):
@@ -249,7 +250,7 @@ def test_a_token_cache_sees_exactly_the_traces_reuse(design, block_size):
   for i, r in enumerate(workloads.block_trace_requests(MOONCAKE, 49152, limit=n,
                                                        length_scale=scale)):
     seq = Sequence(i, r.prompt_ids, SamplingParams(max_new_tokens=1))
-    blocks.admit(seq)
+    blocks.allocate_waiting(seq)
     seq.num_cached = seq.num_tokens
     blocks.offer_full_blocks(seq)
     blocks.deallocate(seq)

@@ -15,7 +15,7 @@ import numpy as np
 from pagedjax.config import Config
 from pagedjax.engine import Engine
 from pagedjax.model.llama import ModelConfig, forward_dense, init_params
-from pagedjax.device.step import CompiledStep
+from pagedjax.model.step import CompiledStep
 
 VOCAB = 97
 HEADS = {'mha': (4, 4), 'gqa': (4, 2), 'mqa': (4, 1)}

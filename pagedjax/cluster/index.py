@@ -14,7 +14,7 @@ import collections
 from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
 
 from pagedjax.host import kv_events
-from pagedjax.host.prefix_cache import chain_keys
+from pagedjax.host.cache.prefix_cache import chain_keys
 
 # bit (1 << tier) per medium; a block may sit in several tiers at once (tiers are inclusive)
 _BIT = {m: 1 << t for m, t in kv_events.TIER_OF_MEDIUM.items()}

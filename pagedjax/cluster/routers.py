@@ -20,7 +20,7 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 llm-d's precise prefix-cache scorer, Dynamo's KV router): score = w_prefix x
                 (tier-weighted fraction of the prompt's blocks held, as a prefix) + w_kv x (1 -
                 KV use) + w_queue x (1 - requests / the most any replica has); the best score.
-  tier_cost     the least expected time to first token (host/tier_cost.py's cost model):
+  tier_cost     the least expected time to first token (host/tiers/tier_cost.py's cost model):
                 queued prefill work x prefill rate + the part of the prompt not held x prefill
                 rate + loading the held part from its tiers (each block from its best tier; the
                 promotion rule's cheapest split of load vs recompute).
@@ -36,7 +36,8 @@ import random as random_lib
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
 from pagedjax.cluster.index import KVIndex, prompt_keys
-from pagedjax.host import policies, tier_cost
+from pagedjax.host import policies
+from pagedjax.host.tiers import tier_cost
 
 def _is_router_class(obj) -> bool:
   return isinstance(obj, type) and callable(getattr(obj, 'route', None))
@@ -92,7 +93,7 @@ class ReplicaState:
   queued_prefill_tokens: int = 0  # prompt tokens routed here and not computed yet (not cached)
   running_tokens: int = 0  # context tokens of its running sequences
   kv_usage: float = 0.0  # fraction of its blocks held by sequences
-  cost: Optional[tier_cost.CostModel] = None  # its prefill rate and tier transfer figures
+  cost: Optional[tier_cost.TierCosts] = None  # its prefill rate and tier transfer figures
 
   @property
   def num_requests(self) -> int:

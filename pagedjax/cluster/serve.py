@@ -60,8 +60,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedjax.cluster import routers as routers_lib
 from pagedjax.cluster.index import KVIndex
 from pagedjax.host import kv_events
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import as_params, brief
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import as_params, brief
 
 BUS_NAMESPACE = 'pagedjax'
 APP_NAME = 'pagedjax'

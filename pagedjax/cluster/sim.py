@@ -29,8 +29,8 @@ import numpy as np
 from pagedjax.cluster.index import KVIndex
 from pagedjax.cluster.routers import ReplicaState, RouteRequest, Router
 from pagedjax.host import kv_events
-from pagedjax.host.intake import RequestError
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 QUANTILES = (50, 90, 99)
 
@@ -134,7 +134,7 @@ class SimulatedCluster:
 
   def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None):
     """engines: simulated (or real) engines with prefix caching; costs: each one's
-    tier_cost.CostModel for routers that weigh costs (None: ReplicaState.cost stays None)."""
+    tier_cost.TierCosts for routers that weigh costs (None: ReplicaState.cost stays None)."""
     if not engines:
       raise ValueError('a cluster needs at least one replica')
     self.replicas = [Replica(i, e, costs[i] if costs else None) for i, e in enumerate(engines)]

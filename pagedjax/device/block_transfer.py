@@ -2,7 +2,7 @@
 moving blocks to and from a host tier (swap preemption).
 
 Every function takes block ids the host has already padded to a bucketed length with null-block
-entries (pagedjax.host.step_inputs.padded_ids), so a run compiles a handful of programs per
+entries (pagedjax.host.scheduling.step_inputs.padded_ids), so a run compiles a handful of programs per
 function. Padding reads from and writes into the null block, whose contents are garbage by design
 (pool.py). Gathers and scatters move every per-block array of the pool (`KVPool.block_arrays`: k,
 v and any scales or zero points, block axis 1), so nothing here changes when a storage scheme

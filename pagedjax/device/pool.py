@@ -28,9 +28,9 @@ from pagedjax.kernels import contract as kernel_contract
 from pagedjax.kernels import paged_attention
 from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
-from pagedjax.model import sharding
+from pagedjax.device import pool_sharding
 
-# Block 0 is the null block (above). The host side names it too (pagedjax.host.allocator, which
+# Block 0 is the null block (above). The host side names it too (pagedjax.host.scheduling.allocator, which
 # must not import device code); tests/test_layers.py checks that the two agree.
 NULL_BLOCK = kv_schemes.NULL_BLOCK
 
@@ -157,7 +157,7 @@ def init_model_pool(model_cfg, num_blocks: int, block_size: int, kv_quant: KVQua
                            model_cfg.head_dim, kv_quant=kv_quant, max_sequences=max_sequences)
   if mesh is None:
     return make()
-  return sharding.empty_pool_like(jax.eval_shape(make), mesh, model_cfg.num_kv_heads)
+  return pool_sharding.empty_pool_like(jax.eval_shape(make), mesh, model_cfg.num_kv_heads)
 
 
 def pool_bytes(num_layers, num_blocks, num_kv_heads, block_size, head_dim,
@@ -172,7 +172,7 @@ def write_kv(pool: KVPool, layer, k, v, batch) -> KVPool:
   """Store one layer's new K/V [B, T, Hkv, Dh] at `batch.slot_mapping`, in the pool's scheme.
 
   In place when the pool is donated. `batch` is the step's StepInputs
-  (pagedjax/host/step_inputs.py).
+  (pagedjax/host/scheduling/step_inputs.py).
   """
   return pool.scheme.write(pool, layer, k, v, batch)
 

@@ -6,7 +6,7 @@ prefills it in full, several of them at once. The prefix cache's hit rate collap
 spikes. This module sees the collapse and records it.
 
 Windowed hit rate: prefix-cache hit tokens / queried tokens (counted at admission,
-host/block_manager.py) over the last `window` iterations. Iterations without a lookup add no
+host/scheduling/block_manager.py) over the last `window` iterations. Iterations without a lookup add no
 weight; the rate is None while the window holds no lookup.
 
 Alert: fires when the windowed rate falls below (1 - drop) x its recent level, and clears once

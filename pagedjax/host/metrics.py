@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence as Seq
 import numpy as np
 
 from pagedjax.host.alerts import HitRateMonitor
-from pagedjax.host.sequence import Completion, Sequence
+from pagedjax.host.requests.sequence import Completion, Sequence
 
 # The engine's own counters that engine_summary() reports next to the metrics.
 ENGINE_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',

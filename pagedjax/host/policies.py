@@ -38,7 +38,7 @@ EvictionQueue (a class, instantiated once per cache or tier with no arguments)
   The ordered set of idle entries of one cache: device blocks of the prefix cache (hash and
   radix designs, prefix_cache.py, radix_cache.py) or content keys of a lower tier
   (tier_index.py). The cache calls
-    admit(key, depth, chain_key)  a new entry; depth: its block's index in its prompt (0 = the
+    add(key, depth, chain_key)    a new entry; depth: its block's index in its prompt (0 = the
                                   first block); chain_key: the content key naming it in every
                                   process (what an oracle knows the future of)
     hit(key)                      a lookup used it
@@ -62,7 +62,7 @@ EvictionQueue (a class, instantiated once per cache or tier with no arguments)
   priority: subclass it and write priority(key, tick, session), smallest evicted first. A policy
   that is not a priority (S3-FIFO, ARC) implements the protocol itself.
   Every event reaches the queue in the order the cache sees it, so a policy may keep any
-  statistics it likes (hits, ages, ghosts); it must not assume a key it never saw admitted.
+  statistics it likes (hits, ages, ghosts); it must not assume a key it never saw added.
   A class with `offline = True` (Belady) needs the future and is refused by engine configs; a
   study hands it the future (experiments/policy_lab.py).
 
@@ -147,7 +147,7 @@ class EvictionQueue:
   def tick(self) -> int:
     return next(self._clock)
 
-  def admit(self, key: Hashable, depth: int = 0, chain_key: Optional[int] = None) -> None:
+  def add(self, key: Hashable, depth: int = 0, chain_key: Optional[int] = None) -> None:
     pass
 
   def hit(self, key: Hashable) -> None:
@@ -185,7 +185,7 @@ class HeapQueue(EvictionQueue):
   """An eviction policy that is a priority: the evictable key with the smallest
   priority(key, tick, session) goes first. Priorities are fixed when a key is pushed (tick is
   the clock then), kept in a lazy heap: a stale heap entry (the key was pushed again, discarded
-  or removed since) is skipped when it surfaces. `hits` counts each key's hits since admit."""
+  or removed since) is skipped when it surfaces. `hits` counts each key's hits since it was added."""
 
   def __init__(self):
     super().__init__()
@@ -198,7 +198,7 @@ class HeapQueue(EvictionQueue):
   def priority(self, key, tick: int, session: Optional[Tuple[int, int]]) -> tuple:
     raise NotImplementedError
 
-  def admit(self, key, depth=0, chain_key=None):
+  def add(self, key, depth=0, chain_key=None):
     self.hits[key] = 0
     self.depth[key] = depth
 
@@ -344,7 +344,7 @@ class S3FIFO(EvictionQueue):
     self._parked: set = set()  # passed over by can_evict until requeue
     self._entries = 0  # admitted entries (the cache's size, idle or not)
 
-  def admit(self, key, depth=0, chain_key=None):
+  def add(self, key, depth=0, chain_key=None):
     name = key if chain_key is None else chain_key
     self._chain[key] = name
     self._freq[key] = 0
@@ -447,8 +447,8 @@ class Belady(HeapQueue):
     self.future, self.clock = future, clock
     return self
 
-  def admit(self, key, depth=0, chain_key=None):
-    super().admit(key, depth, chain_key)
+  def add(self, key, depth=0, chain_key=None):
+    super().add(key, depth, chain_key)
     self.chain[key] = key if chain_key is None else chain_key
 
   def remove(self, key):
@@ -622,7 +622,7 @@ class HitDensity(EvictionQueue):
 
   # ---- events ----
 
-  def admit(self, key, depth=0, chain_key=None):
+  def add(self, key, depth=0, chain_key=None):
     self.depth[key] = depth
     self.hits[key] = 0
     name = key if chain_key is None else chain_key
@@ -831,7 +831,7 @@ def priority(scheduler, candidates):
 
 @VICTIM.register('cost')
 def cost(scheduler, candidates):
-  """The cheapest to preempt by the cost model (host/tier_cost.py): swap or recompute, as the
+  """The cheapest to preempt by the cost model (host/tiers/tier_cost.py): swap or recompute, as the
   scheduler would do it."""
   return min(candidates[::-1], key=scheduler.cost_s)
 

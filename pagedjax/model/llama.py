@@ -258,7 +258,7 @@ def forward_dense(cfg: ModelConfig, params, tokens):
 
 
 # ------------------------------------------------------------------------------------------------
-# One layer at a time (device/streamed_attention.py): the same modules and the same params tree as
+# One layer at a time (model/streamed_attention.py): the same modules and the same params tree as
 # Llama, applied piece by piece, so a caller can run attention its own way between the pieces.
 # ------------------------------------------------------------------------------------------------
 def embed_tokens(cfg: ModelConfig, params, tokens):

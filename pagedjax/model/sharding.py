@@ -34,11 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXIS = 'model'
-
-# Every pool array carries KV heads on axis 2: k/v, quantization scales and zero points, recent
-# rings (pool.py). A new pool field must too, or get its own spec; empty_pool_like checks.
-POOL_SPEC = P(None, None, AXIS)
+# The pool's split (over KV heads) lives with the pool, which the model builds on.
+from pagedjax.device.pool_sharding import AXIS, POOL_SPEC, empty_pool_like, pool_sharding  # pylint: disable=unused-import
 # Activations [B, T, heads, head_dim] inside attention: sharded over heads.
 HEADS_SPEC = P(None, None, AXIS, None)
 REPLICATED = P()
@@ -240,26 +237,6 @@ def shard_model(cfg, params, mesh: Mesh):
   tp = mesh.shape[AXIS]
   cfg, params = replicate_kv_heads(cfg, params, kv_head_replication(cfg, tp))
   return cfg, jax.tree_util.tree_map(_place, params, param_shardings(params, cfg, mesh))
-
-
-# ------------------------------------------------------------------------------------------------
-# Pool
-# ------------------------------------------------------------------------------------------------
-def pool_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, POOL_SPEC)
-
-
-def empty_pool_like(pool, mesh: Mesh, num_kv_heads: int):
-  """An all-zero pool of `pool`'s structure, shapes and dtypes, created already split over KV
-  heads (axis 2): each device allocates only its shard, and nothing crosses devices or hosts."""
-  for path, x in jax.tree_util.tree_flatten_with_path(pool)[0]:
-    if x.ndim < 3 or x.shape[2] != num_kv_heads:
-      raise ValueError(f'pool array {jax.tree_util.keystr(path)} of shape {x.shape} does not '
-                       f'hold the {num_kv_heads} KV heads on axis 2, which tensor parallelism '
-                       'splits; give it its own spec in pagedjax/model/sharding.py')
-  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pool)
-  zeros = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  return jax.jit(zeros, out_shardings=pool_sharding(mesh))()
 
 
 def bytes_per_device(tree) -> dict:

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import sizing
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 from pagedjax.sim import simulated_device
 from pagedjax.sim.cost_model import CostModel, StepShape
 from pagedjax.sim.hardware import Efficiency, Hardware

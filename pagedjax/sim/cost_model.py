@@ -57,7 +57,7 @@ class StepShape:
 
   @classmethod
   def from_inputs(cls, inputs) -> 'StepShape':
-    """From the StepInputs a jitted step receives (pagedjax/host/step_inputs.py)."""
+    """From the StepInputs a jitted step receives (pagedjax/host/scheduling/step_inputs.py)."""
     rows, tokens = inputs.tokens.shape
     q = (np.asarray(inputs.positions) >= 0).sum(axis=1).astype(np.int64)
     return cls(rows, tokens, q, np.asarray(inputs.context_lens, np.int64))

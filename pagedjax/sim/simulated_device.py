@@ -39,10 +39,10 @@ from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig, scheme_for
 from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
-from pagedjax.host import beam as beam_lib
-from pagedjax.host.step_inputs import bucket
+from pagedjax.host.requests import beam as beam_lib
+from pagedjax.host.scheduling.step_inputs import bucket
 from pagedjax.model.llama import ModelConfig
-from pagedjax.host import tier_cost
+from pagedjax.host.tiers import tier_cost
 from pagedjax.sim.cost_model import CostModel, StepShape, prefill_step
 from pagedjax.sim.hardware import Hardware, get_hardware
 
@@ -164,7 +164,7 @@ class SimulatedExecutor(PlanExecutor):
   def _advance_clock(self, seconds: float) -> None:
     self.backend.clock.advance(seconds)
 
-  # Demotions and promotions to KV tiers (host/kv_tiers.py) would be timed like swaps, but
+  # Demotions and promotions to KV tiers (host/tiers/kv_tiers.py) would be timed like swaps, but
   # tiering.build_tiers refuses a simulated pool (its stores hold block contents), so they are
   # always empty here.
   def _swap_out(self, copies, demoted=()) -> int:
@@ -237,15 +237,15 @@ class SimulatedBackend:
   def executor(self, *args, **kwargs) -> SimulatedExecutor:
     return SimulatedExecutor(self, *args, **kwargs)
 
-  def preemption_cost(self, t, executor) -> tier_cost.CostModel:
-    """The figures preemption weighs (host/tier_cost.py), from this cost model rather than
+  def preemption_cost(self, t, executor) -> tier_cost.TierCosts:
+    """The figures preemption weighs (host/tiers/tier_cost.py), from this cost model rather than
     measured: seconds per token of a full prefill call at the executor's largest shape, and the
     host link's bandwidth and per-transfer overhead; config.tiers' non-zero figures win."""
     rows, chunk = executor.batch_buckets[-1], executor.token_buckets[-1]
     prefill = self.cost.step_time(prefill_step([chunk] * rows, chunk)) / (rows * chunk)
     host = (t.host_bytes_per_s or self.hardware.host_link_bandwidth,
             t.host_latency_s or self.cost.eff.step_overhead_s)
-    return tier_cost.CostModel.for_tiers(self.pool.block_size, self.cost.block_bytes,
+    return tier_cost.TierCosts.for_tiers(self.pool.block_size, self.cost.block_bytes,
                                          t.prefill_s_per_token or prefill, host,
                                          (math.inf, math.inf))
 

@@ -3,7 +3,7 @@ import dataclasses
 import enum
 from typing import List, Optional
 
-from pagedjax.host.sampling_params import SamplingParams
+from pagedjax.host.requests.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -25,7 +25,7 @@ class Sequence:
   host_blocks: List[int] = dataclasses.field(default_factory=list)  # while SWAPPED
   kv_tail: Optional[tuple] = None  # swapped from a KIVI pool: (num_cached, host copy of its
   # partial last block's unquantized keys), put back in its lane before it runs (executor.py)
-  # Offload (host/offload.py): the host-RAM blocks of this sequence's leading logical blocks, in
+  # Offload (host/scheduling/offload.py): the host-RAM blocks of this sequence's leading logical blocks, in
   # order; block_table then holds the logical blocks after them. window: the most device blocks
   # it may hold (0 = no limit).
   host_table: List[int] = dataclasses.field(default_factory=list)

@@ -6,7 +6,7 @@ one, so requests with different salts (tenants that must not share) never match 
 The key covers the whole prefix, so a hit on block i means blocks 0..i are equal too; only
 full blocks are keyed, because a partly filled block is still being written. Keys are 64-bit
 BLAKE2b digests of a canonical encoding of that content (`content_bytes`), so they are the same
-in every process (a disk tier, host/disk_store.py, finds its blocks again after a restart; Python's
+in every process (a disk tier, host/tiers/disk_store.py, finds its blocks again after a restart; Python's
 hash() of a str or None changes from one process to the next). 64 bits are not
 collision-resistant (token ids can be chosen to collide), so every entry also keeps the content
 it was keyed on (parent key, token ids, salt) and a hit counts only when that content equals the
@@ -36,7 +36,7 @@ are checked as a prompt is (intake.prompt_ids: ints in the vocabulary, which the
 `vocab_size`; a prefix shorter than a block pins nothing); bad ones raise RequestError. Pins hold
 `lock`, which the engine sets to its own, so they are safe beside other threads' engine calls.
 
-Lower tiers (host/kv_tiers.py): a cache may have `lower` tiers attached (host RAM, disk). It then
+Lower tiers (host/tiers/kv_tiers.py): a cache may have `lower` tiers attached (host RAM, disk). It then
 tells them when it evicts a block (`lower.evicted`: write-back, the block is demoted instead of
 dropped) and when it caches a newly filled one (`lower.cached`: write-through); the block
 manager continues a prefix lookup past the device hits into them.
@@ -48,9 +48,9 @@ from typing import Dict, List, Optional, Sequence as Seq, Tuple
 
 from pagedjax.host import kv_events
 from pagedjax.host import policies
-from pagedjax.host.intake import RequestError, prompt_ids
-from pagedjax.host.sampling_params import brief, is_text
-from pagedjax.host.sessions import Sessions
+from pagedjax.host.requests.intake import RequestError, prompt_ids
+from pagedjax.host.requests.sampling_params import brief, is_text
+from pagedjax.host.cache.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
 
@@ -207,7 +207,7 @@ class CacheBase:
   def _cached(self, block: int, key: int, content: Tuple, depth: int) -> None:
     """A new entry, at block index `depth` of its prompt: the eviction policy learns of it, and
     the lower tiers may copy it down now (write-through)."""
-    self.queue.admit(block, depth, key)
+    self.queue.add(block, depth, key)
     if self.events:  # someone listens (kv_events.py)
       self.events.stored(kv_events.MEDIUM_GPU, key, content)
     if self.lower is not None:
@@ -354,7 +354,7 @@ def make_prefix_cache(config, block_size: int) -> Optional[CacheBase]:
   its sessions (sessions.py), or None when prefix caching is off."""
   if not config.enabled:
     return None
-  from pagedjax.host.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
+  from pagedjax.host.cache.radix_cache import RadixCache  # pylint: disable=import-outside-toplevel
   design = {'hash': PrefixCache, 'radix': RadixCache}[config.design]
   cache = design(block_size, config.eviction)
   cache.sessions = Sessions(config.session_idle_s)

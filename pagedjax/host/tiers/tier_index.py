@@ -24,7 +24,7 @@ is committed or unpinned.
 """
 from typing import Dict, Hashable, List, Optional, Tuple
 
-from pagedjax.host.allocator import FreeIds
+from pagedjax.host.scheduling.allocator import FreeIds
 from pagedjax.host import policies
 
 
@@ -104,7 +104,7 @@ class TierIndex:
 
   def _add(self, key: int, content: Hashable, slot: int) -> None:
     self._slot[key], self._key_at[slot], self._content[key] = slot, key, content
-    self.queue.admit(key, chain_key=key)
+    self.queue.add(key, chain_key=key)
 
   def commit(self, key: int) -> None:
     if self.events and key in self._pending:  # someone listens (kv_events.py)

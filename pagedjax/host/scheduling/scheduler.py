@@ -27,7 +27,7 @@ Queues:
      A prompt's blocks are allocated whole at admission, so a sequence mid-prompt never needs
      more blocks and never preempts anyone.
 Admission takes a prompt's cached prefix from the prefix cache when there is one
-(block_manager.admit). A decode whose slot lies in a shared block gets a private copy
+(block_manager.allocate_waiting). A decode whose slot lies in a shared block gets a private copy
 (copy-on-write), listed in `Plan.copies`. Batch rows count a leader's pending forks.
 The plan is pure host bookkeeping; the engine runs it (copies for swaps and copy-on-write, then
 the jitted steps).
@@ -41,7 +41,7 @@ Preemption. The victim (`victim`):
                   among equals
   priority        the one with the largest SamplingParams.priority value (lower is served
                   first), newest first among equals
-  cost            the one whose preemption costs least by the cost model (host/tier_cost.py):
+  cost            the one whose preemption costs least by the cost model (host/tiers/tier_cost.py):
                   min(recompute_s, swap_s) when swapping is possible, else recompute_s
 How its K/V are kept (`preemption`):
   recompute  dropped; its prompt and generated tokens are prefilled again on readmission
@@ -53,10 +53,10 @@ import dataclasses
 from typing import List, Optional, Tuple
 
 from pagedjax.host import policies
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.sequence import Sequence, Status
-from pagedjax.host.tier_cost import CostModel
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.requests.sequence import Sequence, Status
+from pagedjax.host.tiers.tier_cost import TierCosts
 
 PREEMPTION_POLICIES = ('recompute', 'swap', 'auto')
 
@@ -73,7 +73,7 @@ class Plan:
   # (shared block, private copy), made on the device after swap-out, before the steps
   forked: List[Sequence] = dataclasses.field(default_factory=list)  # samples split off now
   # (device block, host block) of every block an offloaded sequence moves out of its window now
-  # (host/offload.py), copied out with the swap-outs, before anything is written
+  # (host/scheduling/offload.py), copied out with the swap-outs, before anything is written
   offload_out: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
   @property
@@ -101,12 +101,12 @@ class Scheduler:
                prefill_chunk: int, preemption: str = 'recompute', victim: str = 'newest',
                admission: str = 'watermark', admission_horizon: int = 0,
                queue_order: str = 'fcfs', host_allocator: Optional[BlockAllocator] = None,
-               cost: Optional[CostModel] = None, offload=None):
+               cost: Optional[TierCosts] = None, offload=None):
     """victim, admission, queue_order: policy names or 'module:function' (policies.py).
     host_allocator: bookkeeping of the host tier's blocks (swap and auto preemption).
     cost: the cost model (preemption 'auto', victim 'cost'). admission_horizon: tokens ahead
     that 'projected' admission looks (0 = each sequence's whole max_new_tokens).
-    offload: host/offload.py's Offload, which sequences with a window (Sequence.window) use."""
+    offload: host/scheduling/offload.py's Offload, which sequences with a window (Sequence.window) use."""
     if preemption not in PREEMPTION_POLICIES:
       raise ValueError(f'preemption {preemption!r} is not allowed: one of {PREEMPTION_POLICIES}')
     self._choose_victim = policies.VICTIM.get(victim)
@@ -221,7 +221,7 @@ class Scheduler:
 
   def _fits(self, unit: List[Sequence], waiting: bool) -> bool:
     if len(unit) == 1:
-      fits = self.blocks.can_admit if waiting else self.blocks.can_allocate
+      fits = self.blocks.can_allocate_waiting if waiting else self.blocks.can_allocate
       return fits(unit[0], watermark=bool(self.running))
     return self.blocks.can_allocate_all(unit, watermark=bool(self.running))
 
@@ -256,7 +256,7 @@ class Scheduler:
         self.waiting.remove(seq)
         if seq.window:
           self.offload.reserve(seq)
-        self.blocks.admit(seq)
+        self.blocks.allocate_waiting(seq)
         seq.status = Status.RUNNING
         _insert(self.running, seq)
         budget -= self._add_chunk(plan, seq, budget)

@@ -3,7 +3,7 @@
 A sequence served with offload (`seq.window` = W > 0, config.offload.device_blocks) holds at
 most W device blocks: its newest logical blocks. Its older blocks live in host RAM, in logical
 order (`seq.host_table`: host block i holds positions [i * bs, (i + 1) * bs)), and stream
-through attention every step, C blocks per call (device/streamed_attention.py), inside the
+through attention every step, C blocks per call (model/streamed_attention.py), inside the
 engine's own iterations while its other requests run in the batched steps. Before a step would
 write past the window, `make_room` moves the window's oldest blocks out: it lists (device
 block, host block) pairs in `Plan.offload_out`, and the executor copies them out in one gather
@@ -13,7 +13,7 @@ what the window holds from the first block not fully written on (`chunk_room`), 
 works; a window smaller than a chunk's blocks just makes that prompt's chunks shorter.
 
 Which sequences are offloaded (the policy, config.offload):
-  at submit       a request whose blocks can never all fit the pool (host/intake.py) is served
+  at submit       a request whose blocks can never all fit the pool (host/requests/intake.py) is served
                   with a window instead of refused, up to what the host store holds
                   (`refusal`: a RequestError beyond that).
   under pressure  with `instead_of_preempting`, a decode that finds the pool out of blocks
@@ -22,7 +22,7 @@ Which sequences are offloaded (the policy, config.offload):
 A sequence with a window but no host block yet (a long prompt's first W blocks) runs in the
 batched steps like any other; it moves to the streamed path with its first host block.
 
-Host room. The store holds `host_blocks` blocks (HostTier: the pool's per-block arrays, so
+Host room. The store holds `host_blocks` blocks (SwapStore: the pool's per-block arrays, so
 codes and scales exactly as the device stores them). A sequence reserves, at admission, the
 host blocks it can come to need: its longest length's blocks beyond W, plus, for each parallel
 sample it will fork, the blocks of max_new_tokens and one (a fork shares the leader's host
@@ -44,13 +44,13 @@ from typing import Dict, Optional, Sequence as Seq
 
 import numpy as np
 
-from pagedjax.host.host_tier import HostTier
-from pagedjax.host.sampling_params import SamplingParams
-from pagedjax.host.sequence import Sequence
+from pagedjax.host.scheduling.swap_store import SwapStore
+from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.requests.sequence import Sequence
 
 
-class OffloadStore(HostTier):
-  """The host-RAM blocks of offloaded sequences (a HostTier sized by offload.host_blocks)."""
+class OffloadStore(SwapStore):
+  """The host-RAM blocks of offloaded sequences (a SwapStore sized by offload.host_blocks)."""
 
   def __init__(self, block_array_shapes, num_blocks: int):
     super().__init__(block_array_shapes, num_blocks, field='offload.host_blocks')

@@ -3,7 +3,7 @@ quantized pool, pagedjax/device/pool.py). Lanes 1..max_batch_size are handed out
 null lane that padded rows write into, like the null block."""
 from typing import Iterable
 
-from pagedjax.host.sequence import Sequence
+from pagedjax.host.requests.sequence import Sequence
 
 
 class Lanes:

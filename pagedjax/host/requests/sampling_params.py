@@ -25,7 +25,7 @@ class SamplingParams:
   scheduler.victim='priority' takes the largest value first.
   session_id: the conversation this request is a turn of (prefix caching on): when it finishes,
   its blocks stay cached as the session's and are evicted or demoted as one unit with the rest
-  of that session (host/sessions.py); the next turn matches them as any prefix.
+  of that session (host/cache/sessions.py); the next turn matches them as any prefix.
   """
   max_new_tokens: int = 32
   temperature: float = 0.0

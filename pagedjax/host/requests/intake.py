@@ -14,10 +14,10 @@ from typing import List, Optional, Sequence as Seq, Union
 
 import numpy as np
 
-from pagedjax.host import beam as beam_lib
-from pagedjax.host.block_manager import BlockManager
-from pagedjax.host.sampling_params import SamplingParams, as_params, brief
-from pagedjax.host.sequence import Sequence, Status
+from pagedjax.host.requests import beam as beam_lib
+from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.requests.sampling_params import SamplingParams, as_params, brief
+from pagedjax.host.requests.sequence import Sequence, Status
 
 
 class RequestError(ValueError):
@@ -92,7 +92,7 @@ class RequestIntake:
                max_batch_size: int, can_share: bool, eos_id: Optional[int], tokenizer=None,
                offload=None):
     """can_share: whether the pool lets sequences share blocks (forks, beams). offload:
-    host/offload.py's Offload, which serves requests that can never fit the pool, or None."""
+    host/scheduling/offload.py's Offload, which serves requests that can never fit the pool, or None."""
     self.blocks, self.vocab_size, self.max_seq_len = blocks, vocab_size, max_seq_len
     self.offload = offload
     self.max_batch_size, self.can_share = max_batch_size, can_share
@@ -178,7 +178,7 @@ class RequestIntake:
                          'engine-clock seconds >= 0')
     return seconds
 
-  def admit(self, prompt: List[int], params: SamplingParams, arrival: float) -> List[Sequence]:
+  def enqueue(self, prompt: List[int], params: SamplingParams, arrival: float) -> List[Sequence]:
     """Sequences for a checked request (one, or n parallel samples), queued until `arrival`.
     Sample i draws with seed `seed + i`; a beam request is one sequence leading a BeamGroup."""
     group = [Sequence(self.next_id + i, prompt, dataclasses.replace(params, seed=params.seed + i),

@@ -1,6 +1,6 @@
 """Seeded synthetic request traces: length distributions, Poisson arrivals, real-text prompts.
 
-    python -m pagedjax.workloads --dataset sharegpt --n 2000 --rate 4
+    python -m pagedjax.studies.workloads --dataset sharegpt --n 2000 --rate 4
 
 Lengths: the means are the ones the vLLM paper (Kwon et al., SOSP 2023, Fig. 11) reports for its
 ShareGPT (161.31 in / 337.99 out tokens) and Alpaca (19.31 / 58.45) traces. The shapes are our
@@ -9,7 +9,7 @@ clipped to [1, max_len]; clipping would pull the mean down, so by default the lo
 is solved so that the *clipped* distribution keeps the target mean (`calibrate=False` clips a
 plain lognormal instead). `summarize` reports the realized means; check them, do not assume them.
 
-Prompts are real KJV text (pagedjax.text_data) from a random verse, tokenized by the caller's
+Prompts are real KJV text (pagedjax.studies.text_data) from a random verse, tokenized by the caller's
 `encode` and cut to the sampled length, so any tokenizer works. `encode` should not add special
 tokens (BOS): traces join separately encoded parts at the token level, which keeps shared
 prefixes token-identical whatever the tokenizer's merges would do across a boundary.
@@ -30,7 +30,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from pagedjax import text_data
+from pagedjax import config as config_lib
+from pagedjax.studies import text_data
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -499,7 +500,7 @@ def summarize(requests: Sequence[TraceRequest], dataset=None) -> dict:
 def main(argv=None):
   import argparse  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
-  ap = argparse.ArgumentParser(prog='python -m pagedjax.workloads',
+  ap = argparse.ArgumentParser(prog='python -m pagedjax.studies.workloads',
                                description='Realized figures of a byte-tokenized trace.')
   ap.add_argument('--dataset', default='sharegpt', choices=sorted(DATASETS))
   ap.add_argument('--n', type=int, default=2000, help='requests')
@@ -515,3 +516,32 @@ def main(argv=None):
 
 if __name__ == '__main__':
   main()
+
+# ---- config ---------------------------------------------------------------------------------
+
+def validate_config(config):
+  """pagedjax.config.validate_config (every typed section), then the trace section when the
+  config has one; raises ConfigError naming the first bad field, else returns the ConfigDict."""
+  typed = config_lib.Config.from_configdict(config_lib.validate_config(config))
+  if 'trace' in config:
+    validate_trace(config.trace, typed.engine.max_seq_len)
+  return config
+
+
+def validate_trace(t, max_seq_len: int):
+  """config.trace: the synthetic workload a trace job replays (experiments/jobs.py builds it with synthetic_trace)."""
+  if t.dataset not in DATASETS:
+    config_lib._fail('trace.dataset', t.dataset, f'one of {tuple(DATASETS)}')
+  for name in ('num_requests', 'max_input_len', 'max_output_len'):
+    if not config_lib._is_int(t[name]) or t[name] < 1:
+      config_lib._fail(f'trace.{name}', t[name], 'an integer >= 1')
+  if not config_lib._is_int(t.seed):
+    config_lib._fail('trace.seed', t.seed, 'an integer')
+  if isinstance(t.rate, bool) or not isinstance(t.rate, (int, float)) or not t.rate > 0:
+    config_lib._fail('trace.rate', t.rate, "requests/s > 0, or float('inf') for all at t=0")
+  if not isinstance(t.calibrate, bool):
+    config_lib._fail('trace.calibrate', t.calibrate, 'True (keep the dataset means under the length '
+          'limits) or False (clip the plain laws)')
+  if t.max_input_len >= max_seq_len:
+    config_lib._fail('trace.max_input_len', t.max_input_len,
+          f'less than engine.max_seq_len={max_seq_len}')

@@ -29,8 +29,8 @@ Sharing (either kind):
 import math
 from typing import List, Optional, Tuple
 
-from pagedjax.host.allocator import BlockAllocator
-from pagedjax.host.sequence import Sequence
+from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.requests.sequence import Sequence
 
 KINDS = ('paged', 'contiguous')
 
@@ -61,7 +61,7 @@ class BlockManager:
 
   def _short(self, seq: Sequence) -> int:
     """Blocks seq lacks to hold all its tokens (cached and pending); an offloaded sequence
-    (host/offload.py) holds those not in host RAM, at most its window of them."""
+    (host/scheduling/offload.py) holds those not in host RAM, at most its window of them."""
     want = self.reserve_blocks if self.kind == 'contiguous' else self.blocks_for(seq.num_tokens)
     want -= len(seq.host_table)
     if seq.window:
@@ -107,7 +107,7 @@ class BlockManager:
     # Never the whole prompt: its last token must run to be sampled from.
     return self.cache.match(seq, (seq.num_tokens - 1) // self.block_size)
 
-  def can_admit(self, seq: Sequence, watermark: bool = True) -> bool:
+  def can_allocate_waiting(self, seq: Sequence, watermark: bool = True) -> bool:
     """can_allocate for a waiting sequence, counting the blocks its cached prefix provides
     (an evictable hit is taken out of the free space, a held one costs nothing)."""
     hits = self._prefix_hits(seq)
@@ -115,7 +115,7 @@ class BlockManager:
     headroom = self.watermark_blocks if watermark else 0
     return self.allocator.can_allocate(self._short(seq) - len(hits) + revived + headroom)
 
-  def admit(self, seq: Sequence) -> List[int]:
+  def allocate_waiting(self, seq: Sequence) -> List[int]:
     """allocate for a waiting sequence: takes its cached prefix first (so allocating the rest
     cannot evict it), marks those tokens cached, then allocates the rest."""
     hits = self._prefix_hits(seq)

@@ -1,6 +1,6 @@
 """Attention over a context larger than the device holds: partial softmax states, merged.
 
-An offloaded sequence (pagedjax/host/offload.py) keeps its newest blocks in the engine's pool,
+An offloaded sequence (pagedjax/host/scheduling/offload.py) keeps its newest blocks in the engine's pool,
 at most its window of them, and its older blocks in host RAM. Each layer's attention is then a
 sum over disjoint key spans: the window's blocks in the pool, and the host blocks streamed to
 the device C blocks at a time.

@@ -37,7 +37,7 @@ PROMOTION_RULES = ('auto', 'load', 'recompute')
 
 
 @dataclasses.dataclass
-class CostModel:
+class TierCosts:
   block_size: int
   block_bytes: int  # one block's bytes as stored (codes, scales and zero points included)
   prefill_s_per_token: float
@@ -46,7 +46,7 @@ class CostModel:
 
   @classmethod
   def for_tiers(cls, block_size: int, block_bytes: int, prefill_s_per_token: float,
-                host: tuple, disk: tuple) -> 'CostModel':
+                host: tuple, disk: tuple) -> 'TierCosts':
     """From (bytes/s, latency s) of the host-to-device copy and of the disk read."""
     (host_bw, host_lat), (disk_bw, disk_lat) = host, disk
     # Tier 1: a block evicted this iteration, still on the device: copied there, free here.

@@ -17,7 +17,7 @@ import numpy as np
 from pagedjax.device import pool as pool_lib
 from pagedjax.model.llama import Llama, ModelConfig
 from pagedjax.device.kv_schemes import KVQuantConfig
-from pagedjax.host.step_inputs import RowSpec, build_step_inputs
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 
 
 class ChunkScorer:

@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Sequence
 
 import numpy as np
 
-from pagedjax.host.allocator import NULL_BLOCK
+from pagedjax.host.scheduling.allocator import NULL_BLOCK
 
 
 class StepInputs(NamedTuple):

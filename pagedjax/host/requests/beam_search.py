@@ -5,17 +5,17 @@ A beam kept c times continues with its best kept token and forks c - 1 children 
 the next iteration's slot reservation copies a partly filled last block, as for parallel
 samples); a beam kept 0 times frees its blocks. This runs after the iteration's memory sample,
 like retirement. Plain host bookkeeping: the candidates come from the step variant that returns
-top-K log-probs (pagedjax/device/step.py).
+top-K log-probs (pagedjax/model/step.py).
 """
 import collections
 from typing import List
 
 import numpy as np
 
-from pagedjax.host import beam as beam_lib
-from pagedjax.host.lanes import Lanes
-from pagedjax.host.scheduler import Scheduler
-from pagedjax.host.sequence import Sequence, Status
+from pagedjax.host.requests import beam as beam_lib
+from pagedjax.host.scheduling.lanes import Lanes
+from pagedjax.host.scheduling.scheduler import Scheduler
+from pagedjax.host.requests.sequence import Sequence, Status
 
 
 class BeamSearch:

@@ -14,7 +14,7 @@ Movement:
                  finds it below and copies nothing.
   tier 2 -> 3    a block tier 2 evicts is demoted to tier 3 (its bytes are on the host, so the
                  disk write is issued at once); tier 3 drops what it evicts.
-  promotion      at admission (BlockManager.admit) the lookup continues past the device hits,
+  promotion      at admission (BlockManager.allocate_waiting) the lookup continues past the device hits,
                  block by block in prefix order, tier 2 then tier 3, up to the first miss. The
                  cost model (tier_cost.py) says how many of the found blocks to load; each gets a
                  fresh device block and its tokens count as cached. Tier-2 bytes are copied out
@@ -54,10 +54,10 @@ import numpy as np
 
 from pagedjax.host import capacity as capacity_lib
 from pagedjax.host import kv_events
-from pagedjax.host.disk_store import DiskRead, DiskStore
-from pagedjax.host.prefix_cache import content_bytes
-from pagedjax.host.tier_cost import CostModel
-from pagedjax.host.tier_index import TierIndex
+from pagedjax.host.tiers.disk_store import DiskRead, DiskStore
+from pagedjax.host.cache.prefix_cache import content_bytes
+from pagedjax.host.tiers.tier_cost import TierCosts
+from pagedjax.host.tiers.tier_index import TierIndex
 
 WINDOW = 32  # iterations in the sliding-window hit rates
 PREFETCH_SEQUENCES = 8  # waiting requests whose tier-3 blocks are read ahead of admission
@@ -152,7 +152,7 @@ class KVTiers:
   def __init__(self, layout: BlockLayout, block_size: int, *, host_blocks: int = 0,
                disk: Optional[DiskStore] = None, eviction: str = 'lru',
                write_through: bool = False, promotion: str = 'auto',
-               cost: Optional[CostModel] = None):
+               cost: Optional[TierCosts] = None):
     if promotion == 'auto' and cost is None:
       raise ValueError("promotion='auto' needs a cost model")
     self.layout, self.block_size = layout, block_size

@@ -20,7 +20,7 @@ demoted block by them, the same names the hash design uses, so both designs shar
 """
 from typing import Dict, List, Optional, Tuple
 
-from pagedjax.host.prefix_cache import CacheBase
+from pagedjax.host.cache.prefix_cache import CacheBase
 
 
 class _Node:

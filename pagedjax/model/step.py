@@ -77,7 +77,7 @@ class CompiledStep:
   """`step(params, pool, inputs) -> (pool, tokens[, logits][, topk_ids, topk_logprobs])`,
   counting its compilations.
 
-  `inputs` is the host's StepInputs (pagedjax/host/step_inputs.py), a NamedTuple of bucketed
+  `inputs` is the host's StepInputs (pagedjax/host/scheduling/step_inputs.py), a NamedTuple of bucketed
   numpy arrays. A trace happens exactly when jit meets a new input shape signature; traces are
   counted per step object and process-wide (traces.py), which the engine reports.
   """

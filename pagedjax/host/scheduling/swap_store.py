@@ -1,4 +1,7 @@
-"""The host-RAM tier: numpy copies of blocks moved off the device (swap preemption).
+"""The swap store: numpy copies in host RAM of the blocks a swap preemption moves off the device.
+
+(Not a KV tier: the KV tiers, host/tiers/, hold cached prefix blocks any request may hit; the
+swap store holds one preempted sequence's blocks until it resumes.)
 
 Which host block holds what is the scheduler's bookkeeping, through `allocator`; this class only
 stores and returns block contents. It is created from the pool's per-block array shapes
@@ -12,7 +15,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 
 from pagedjax.host import capacity
-from pagedjax.host.allocator import BlockAllocator
+from pagedjax.host.scheduling.allocator import BlockAllocator
 
 
 def block_nbytes(block_array_shapes: Dict[str, Tuple[tuple, np.dtype]]) -> int:
@@ -21,7 +24,8 @@ def block_nbytes(block_array_shapes: Dict[str, Tuple[tuple, np.dtype]]) -> int:
              for shape, dtype in block_array_shapes.values())
 
 
-class HostTier:
+class SwapStore:
+  """Host-RAM block storage laid out like the pool (block axis 1); `allocator` hands out its ids."""
 
   def __init__(self, block_array_shapes: Dict[str, Tuple[tuple, np.dtype]], num_blocks: int,
                field: str = 'scheduler.swap_blocks'):

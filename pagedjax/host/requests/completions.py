@@ -8,7 +8,7 @@ import collections
 from typing import Dict, List, Optional
 
 from pagedjax.host.metrics import Metrics
-from pagedjax.host.sequence import Completion, Sequence, Status
+from pagedjax.host.requests.sequence import Completion, Sequence, Status
 
 
 class Completions:

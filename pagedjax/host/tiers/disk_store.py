@@ -50,7 +50,7 @@ import numpy as np
 import tensorstore as ts
 
 from pagedjax.host import capacity as capacity_lib
-from pagedjax.host.tier_index import TierIndex
+from pagedjax.host.tiers.tier_index import TierIndex
 
 FORMAT_VERSION = 1
 MAGIC = b'PJKV'
