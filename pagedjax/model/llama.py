@@ -167,7 +167,7 @@ class Llama(nn.Module):
   """tokens [B, T], positions [B, T] (-1 = padding) -> logits, updated pool.
 
   `batch` carries the paging metadata (slot_mapping, block_tables, context_lens; see
-  pagedjax/step_inputs.py); with `pool=None` attention is dense and causal within `tokens`.
+  pagedjax/host/scheduling/step_inputs.py); with `pool=None` attention is dense and causal within `tokens`.
 
   logits_index [B] (optional) picks one position per row, so prefill computes the vocabulary
   projection only where a token is sampled: logits are then [B, V], else [B, T, V].

@@ -175,7 +175,7 @@ def _names(path):
 
 
 def param_spec(names, cfg, tp: int) -> P:
-  """PartitionSpec of one parameter, from its path in the tree (see pagedjax/model.py)."""
+  """PartitionSpec of one parameter, from its path in the tree (see pagedjax/model/llama.py)."""
   module, leaf = (names[-2], names[-1]) if len(names) >= 2 else ('', names[-1])
   vocab = AXIS if cfg.vocab_size % tp == 0 else None
   if module in ('q_proj', 'k_proj', 'v_proj'):
@@ -264,5 +264,5 @@ def _shard_map():
 
 
 def per_shard(fn, mesh: Mesh, in_specs, out_specs):
-  """fn run on each device's local blocks (shard_map): see pagedjax/model.py for its use."""
+  """fn run on each device's local blocks (shard_map): see pagedjax/model/llama.py for its use."""
   return _shard_map()(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)

@@ -1,7 +1,7 @@
 """Real weights for the Flax Llama: GGUF files, HF safetensors directories, and an Orbax cache.
 
 Every loader returns `(ModelConfig, params)` with params in the tree documented at the top of
-pagedjax/model.py (float32, kernels [in, out], layers stacked on a leading [num_layers] axis,
+pagedjax/model/llama.py (float32, kernels [in, out], layers stacked on a leading [num_layers] axis,
 wrapped as {'params': ...}). The converted tree is checked against the model's own parameter
 shapes, so a mapping mistake fails at load time rather than as wrong logits.
 
