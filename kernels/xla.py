@@ -1,21 +1,17 @@
 """Paged attention in plain JAX: a blockwise online-softmax loop (flash-decoding) for CPU.
 
-Why this shape (measured on the 2-core CPU, see experiments/bench_attention.py):
-- Gathering the whole block table to a dense [B, MB*bs, ...] cache first (the reference) costs
-  3-9x attention over a contiguous cache, mostly in writing that fresh buffer. Here one loop
-  step gathers a few consecutive logical blocks of every sequence (_TOKENS_PER_STEP tokens,
-  straight into token order [B, Hkv, C*bs, D]: see _gather_tokens), which stay in cache while
-  they are used, and folds them into a running (max, sum, accumulator) per query row.
-- At short contexts this can still cost up to 3x attention over a contiguous cache, the more
-  so the busier the machine (SmolLM2 shapes, 30 layers of attention alone, 192-token contexts,
-  float32, interleaved in one process: 1.7x / 1.2x / 0.85x at batch 8 / 32 / 64 at load 1, up
-  to 2.9x / 2.3x / 1.3x at loads 2-6). Under load, about half of it is the gathers (XLA:CPU
-  emits them element by element: the same loop reading contiguous slices instead of gathering
-  took 0.5-0.6x the time, measured before _gather_tokens) and most of the rest the loop's fixed
-  cost per step. Gathering the whole bucketed table once and attending densely was no faster
-  at batch 8 and 2-4x slower from 16 on (the gathered buffer leaves the cache); 32 or 128
-  tokens per step, and keeping the gathered blocks [B, C, Hkv, bs, D] (no reordering), were
-  slower too.
+Why this shape (what each choice was measured against: docs/attention.md, "How the xla kernel
+is built"):
+- Gathering the whole block table to a dense [B, MB*bs, ...] cache first (the reference) writes
+  a fresh buffer as large as every visible context on every call, and writing it costs more
+  than the attention that reads it. Here one loop step gathers a few consecutive logical blocks
+  of every sequence (_TOKENS_PER_STEP tokens, straight into token order [B, Hkv, C*bs, D]: see
+  _gather_tokens), which stay in cache while they are used, and folds them into a running
+  (max, sum, accumulator) per query row.
+- What paging still costs against a contiguous cache, at short contexts, is the gathers
+  (XLA:CPU emits them element by element, where a contiguous read is a slice) and the loop's
+  fixed cost per step. Gathering the whole bucketed table once and attending densely trades
+  that for a buffer that leaves the cache; it pays off nowhere.
 - The loop runs only as many steps as the longest visible context needs (a while loop with a
   traced trip count), so a bucketed block table with many padding entries costs nothing.
 - All query heads of a KV group (and, in chunked prefill, all T query tokens) are rows of one
@@ -43,12 +39,9 @@ _DOT_ROWS = 16
 # Independent loops over slices of the batch (or of the context, for fewer sequences), and how
 # many rows a decode loop needs: kernels/xla_loops.py (the simulator's cost model reads it too).
 _SEQ_SPLITS = xla_loops.SEQ_SPLITS
-# Context tokens one loop step reads (rounded down to whole blocks, at least one block). At short
-# contexts a loop step's fixed cost dominates (measured, 2-core CPU, jax 0.10.2, SmolLM2 shapes,
-# batch 8, 192-token contexts: ~100 us per step, 10x the time its 16-token block takes to read),
-# so one step takes several blocks: 4x fewer steps at block_size 16. Measured over SmolLM2's 30
-# layers at 192-token contexts, interleaved with the one-block loop under load ~8: 0.62-0.67x
-# its time at batch 8 and 32, 0.77x at 64; 128 tokens per step was 1.2-1.3x slower than 64.
+# Context tokens one loop step reads (rounded down to whole blocks, at least one block). A loop
+# step has a fixed cost far above reading one small block, so a step takes several blocks (four
+# at block_size 16, a quarter of the steps); much larger steps gather more than stays in cache.
 _TOKENS_PER_STEP = 64
 
 
@@ -79,11 +72,11 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   each stopping at its own longest context; with fewer sequences than loops (long-context decode
   of one or two sequences) they take slices of the context instead, flash-decoding style, and
   their partial softmax states are merged (contract.merge_split_states). `context_splits` forces
-  the latter. Measured on the 2-core CPU with nothing else running: XLA already spreads one
-  loop's gathers and YNNPACK reductions over both cores, and two batch loops run no faster than
-  one (within noise), so the split costs nothing and keeps each loop's trip count tight. Decode
-  batches of fewer than SEQ_SPLITS * MIN_LOOP_ROWS sequences run as one loop (with other jobs
-  on the machine, two loops of a few rows cost more than one)."""
+  the latter. The loops are not there for parallelism (XLA already spreads one loop's gathers and
+  reductions over the cores): each batch loop stops at its own slice's longest context, so a
+  long sequence does not make every other sequence's loop run long. Every loop pays the loop
+  step's fixed cost, so decode batches of fewer than SEQ_SPLITS * MIN_LOOP_ROWS sequences run
+  as one loop (xla_loops.py)."""
   batch = q.shape[0]
   args = (k_blocks, v_blocks, k_scales, v_scales, layer, scale)
   if context_splits is None and batch >= _SEQ_SPLITS:
@@ -112,11 +105,10 @@ def _as_bits(blocks):
   """Float blocks narrower than 32 bits reinterpreted as unsigned ints. XLA CPU gathers integers
   natively, but upcasts a bfloat16/fp8 operand of a gather to float32 first, and being
   loop-invariant that conversion is hoisted out of the loop: the whole pool (every layer's, in
-  the model's layer scan) converted on every call. The bitcast is not free either (measured,
-  jax 0.10.2, 2-core CPU): when the loop's trip count is traced, XLA materialises the bitcast
-  pool once per call as a copy in the entry computation, about 1 ms per MB of pool (36 ms for a
-  [8, 512, 2, 16, 64] bfloat16 pool, 0.2 ms in float32) -- but 3-4x less than the conversion.
-  (float16 scales are gathered as they are: no whole-array conversion shows in the compiled
+  the model's layer scan) converted on every call. The bitcast is not free either: when the
+  loop's trip count is traced, XLA materialises the bitcast pool once per call as a copy in the
+  entry computation (a copy of a narrow pool, where the conversion writes a float32 one and
+  reads it back). (float16 scales are gathered as they are: no whole-array conversion shows in the compiled
   loop.)"""
   if jnp.issubdtype(blocks.dtype, jnp.floating) and blocks.dtype.itemsize < 4:
     return jax.lax.bitcast_convert_type(blocks, _BITS[blocks.dtype.itemsize])
@@ -146,12 +138,7 @@ def _gather_tokens(x, layer, block):
   The pool is viewed (a free reshape) as one row per (layer, block, KV head) and the gather
   picks row (layer * N + block) * Hkv + h for output [b, h, c]: its output is already in token
   order. Gathering whole [Hkv, bs, D] blocks and then moving the KV-head axis in front costs
-  more: XLA:CPU fuses that transpose into the gather's loop. Measured with SmolLM2 shapes (30
-  layers of attention alone, 192-token contexts, float32, interleaved in one process), this
-  gather took 0.91 / 0.88 / 0.92x the block-gather form's time at batch 8 / 32 / 64 at load 2,
-  0.92 / 0.89 / 0.89x at load 3, 0.79-0.87x at load 6. The whole decode step, with this and
-  MIN_LOOP_ROWS against neither, took 0.94x the time at batch 32 and 64 and 0.98-1.03x at 8
-  (load 1)."""
+  more: XLA:CPU fuses that transpose into the gather's loop, element by element."""
   num_layers, num_blocks, num_kv_heads, block_size = x.shape[:4]
   rows = x.reshape(num_layers * num_blocks * num_kv_heads, -1)
   heads = jnp.arange(num_kv_heads, dtype=block.dtype)

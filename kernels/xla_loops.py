@@ -6,10 +6,8 @@ from typing import List
 # Independent loops over slices of the batch (or of the context, for fewer sequences).
 SEQ_SPLITS = 2
 # Decode splits the batch only when every loop gets at least this many sequences: a loop step's
-# fixed cost is paid once per loop, and over few rows it outweighs what separate loops gain.
-# Measured (SmolLM2 shapes, 30 layers of attention alone, 192-token contexts, against two loops,
-# interleaved in one process, four runs at loads 2-7): one loop took 0.77-0.94x the time at
-# batch 8 and 0.91-0.95x at 32, but 1.06x at 64 (load 2; the whole step at 64: 1.06x, load 5).
+# fixed cost is paid once per loop, and over few rows it outweighs what separate loops gain
+# (docs/attention.md, "How the xla kernel is built").
 MIN_LOOP_ROWS = 32
 
 

@@ -13,16 +13,17 @@ params and pool arrive sharded, and the returned pool is pinned to the pool's sh
 donated buffers are reused in place and the next call sees the same input shardings (no copy, no recompile).
 
 Decode calls (one query token per row) can run the model's layers unrolled instead of under its
-layer scan (`decode_layers`, llama.py's `layer_loop`): inside the scan XLA:CPU copies every
-layer's weights out of the stacked arrays on every call, the whole model's weights per step
-(~370 MB for SmolLM2-135M float32); unrolled, with the params split per layer once (views of the
-same buffers on CPU, no copy), the dots read them in place. With a core to spare the copies of a
-small batch can overlap with its memory-bound dots, but from 8 rows they do so only some of the
-time (the measurements are in docs/decode_speed.md). Hence 'auto': unrolled from
-AUTO_UNROLLED_MIN_ROWS = 8 rows (every decode call at the engine's default decode_min_rows) on
-one CPU device. The unrolled program takes several times longer to compile, and prefill chunks
-(where the copy is shared by many tokens) keep the scan. Each input shape still compiles exactly
-once, in one of the two programs, and both give the same logits bit for bit.
+layer scan (`decode_layers`, llama.py's `layer_loop`). Under the scan each iteration reads its
+layer as a slice of the stacked weight arrays, and XLA:CPU materialises that slice as a copy: a
+decode step copies the whole model's weights (~370 MB for SmolLM2-135M in float32) to do a
+few rows of matmul with them. Unrolled, the params are split per layer once (views of the same
+buffers on CPU, no copy) and each layer's dots read its weights in place. The copy is a fixed
+cost per call, so it matters where a call does little work per weight: decode, from a batch of
+AUTO_UNROLLED_MIN_ROWS rows up ('auto'; the engine's default decode_min_rows makes that every
+decode call), on one CPU device. Prefill chunks share the copy over many tokens and keep the
+scan; so do smaller decode calls, whose copy can overlap their memory-bound dots on a spare core,
+since the unrolled program compiles several times more slowly. Each input shape compiles exactly once, in one of the two programs, and both give the
+same logits bit for bit. Measured step times for both programs: docs/decode_speed.md.
 """
 from typing import Optional
 

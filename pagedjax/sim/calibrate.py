@@ -19,10 +19,10 @@ simulator against a real engine run.
 The CPU profile's attention model is 'batch_max' (kernels/xla.py walks each of its batch
 loops to the loop's longest context; kernels/xla_loops.py). Of the fixed overheads, `step_overhead_s` (every call) and
 `chunk_overhead_s` (prompt-chunk calls only) are fitted: with one model, a per-call and a
-per-layer constant cannot be told apart. Why the second: with one shared constant the fit
-under-predicted 1-row 64-token chunks by 10% and so over-predicted the 8-row decode calls that
-make up most of a serving run by 7% (runs/sim_cpu, 2-core CPU), which showed as iterations
-predicted 7-19% slower than measured.
+per-layer constant cannot be told apart. Why the second: small prompt chunks (few rows, many
+tokens: small-M matmuls) run slower than the roofline that fits larger calls, and one constant
+shared with decode would absorb that and over-predict the decode calls that make up most of a
+serving run. The fit's residuals with one constant and with two: docs/simulation.md.
 """
 import dataclasses
 import math
