@@ -324,10 +324,11 @@ class TiersConfig:
 class OffloadConfig:
   """KV offload for contexts longer than the device (pagedjax/host/scheduling/offload.py): a long
   sequence keeps its newest `device_blocks` blocks in the pool, its older ones live in host RAM
-  and stream through attention `chunk_blocks` at a time, every step, inside the engine's own
-  iterations (model/streamed_attention.py)."""
-  # Host-RAM blocks for offloaded K/V (checked against host RAM at engine build); 0 = off: a
-  # request that can never fit the pool is refused at submit.
+  or on the disk tier (host/scheduling/offload_store.py) and stream through attention
+  `chunk_blocks` at a time, every step, inside the engine's own iterations
+  (model/streamed_attention.py)."""
+  # Host-RAM blocks for offloaded K/V (checked against host RAM at engine build); with
+  # disk_blocks 0 as well, offload is off: a request that can never fit the pool is refused.
   host_blocks: int = 0
   device_blocks: int = 16  # device blocks an offloaded sequence may hold (its newest tokens)
   chunk_blocks: int = 8  # host blocks per streamed attention call (the last chunk padded)
@@ -335,33 +336,55 @@ class OffloadConfig:
   # most blocks beyond device_blocks to that many (its older blocks offloaded), and preempt
   # only when none can be shrunk.
   instead_of_preempting: bool = False
+  # Disk-tier blocks for offloaded K/V, in the tensorstore kvstore disk_kvstore (a directory or
+  # URL; checked against its free space at engine build); 0 = host RAM only.
+  disk_blocks: int = 0
+  disk_kvstore: str = ''
+  # Where a block leaving a window goes first, 'host' or 'disk' (the other tier when it is
+  # full): a request may hold up to host_blocks + disk_blocks beyond its window.
+  placement: str = 'host'
 
   def validate(self, pool: PoolConfig, tiers: TiersConfig):
-    for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1)):
+    for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1),
+                        ('disk_blocks', 0)):
       value = getattr(self, name)
       if not _is_int(value) or value < least:
         _fail(f'offload.{name}', value, f'an integer >= {least}')
     if not isinstance(self.instead_of_preempting, bool):
       _fail('offload.instead_of_preempting', self.instead_of_preempting, 'True or False')
-    if not self.host_blocks:
+    if self.placement not in ('host', 'disk'):
+      _fail('offload.placement', self.placement, "'host' or 'disk'")
+    if not self.enabled:
       return
+    if self.disk_blocks and (not isinstance(self.disk_kvstore, str) or not self.disk_kvstore):
+      _fail('offload.disk_kvstore', self.disk_kvstore,
+            "a directory or tensorstore kvstore URL ('file:///dir/', 'memory://name/') when "
+            'offload.disk_blocks > 0')
+    placed = {'host': self.host_blocks, 'disk': self.disk_blocks}[self.placement]
+    if not placed:
+      other = 'disk' if self.placement == 'host' else 'host'
+      _fail('offload.placement', self.placement,
+            f"'{other}' when offload.{self.placement}_blocks is 0 (blocks go to a tier that "
+            'has some)')
+    field = 'offload.host_blocks' if self.host_blocks else 'offload.disk_blocks'
+    value = self.host_blocks or self.disk_blocks
     # (A window smaller than a prompt chunk's blocks only shortens that sequence's chunks.)
     if self.device_blocks > pool.num_blocks - 1:
       _fail('offload.device_blocks', self.device_blocks,
             f'at most pool.num_blocks - 1 = {pool.num_blocks - 1} (the window lives in the pool)')
     if pool.kind != 'paged':
-      _fail('offload.host_blocks', self.host_blocks, "0 unless pool.kind='paged'")
+      _fail(field, value, "0 unless pool.kind='paged'")
     if pool.kv_recent_window or pool.kv_key_per_channel:
-      field = 'kv_recent_window' if pool.kv_recent_window else 'kv_key_per_channel'
-      _fail('offload.host_blocks', self.host_blocks,
-            f'0 with pool.{field} set (per-sequence lane state does not stream)')
+      pool_field = 'kv_recent_window' if pool.kv_recent_window else 'kv_key_per_channel'
+      _fail(field, value,
+            f'0 with pool.{pool_field} set (per-sequence lane state does not stream)')
     if tiers.enabled:
-      _fail('offload.host_blocks', self.host_blocks,
+      _fail(field, value,
             '0 with lower KV tiers (tiers.host_blocks / disk_blocks): not combined yet')
 
   @property
   def enabled(self) -> bool:
-    return bool(self.host_blocks)
+    return bool(self.host_blocks or self.disk_blocks)
 
 
 @dataclasses.dataclass(frozen=True)

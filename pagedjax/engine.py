@@ -1,18 +1,26 @@
-"""The engine: the decode loop that joins host bookkeeping and device steps.
+"""The engine: the decode loop, one iteration at a time: schedule -> run -> update.
 
-Each iteration (`step`): release the requests whose arrival time has come (host/requests/intake.py), let
-the scheduler plan the iteration (host/scheduling/scheduler.py), hand lanes to new running sequences
-(host/scheduling/lanes.py), run the plan on the device (executor.py: block transfers and copies, then the
-jitted steps over the KV pool), append the sampled tokens, record the iteration's metrics
-(host/metrics.py; with the prefix hit-rate alert, host/alerts.py, and the admission throttle it
-drives), retire finished requests and advance beam groups (host/requests/beam_search.py).
+  plan = scheduler.schedule()          host/scheduling/scheduler.py: the whole work order (rows,
+                                       admissions, preemptions, swaps, tier demotions and
+                                       promotions, copy-on-write copies, offload moves, lanes)
+  output = executor.run(plan)          executor.py: the device adaptor, plan -> Device calls
+                                       (host/scheduling/device_api.py) -> a StepOutput (tokens,
+                                       top-K candidates, logits, timings, counts)
+  finished = update.update(plan, output, now)
+                                       host/scheduling/update.py: every post-step update (cached
+                                       counts, prefix cache, tokens, finishes, beams, metrics)
+
+Before the plan: requests whose arrival time has come are released (host/requests/intake.py),
+idle sessions demoted (host/cache/sessions.py) and lower-tier reads for waiting prompts issued
+(host/tiers/kv_tiers.py). After the update, write-through tiers copy down the blocks the cache
+just took (executor.write_through). Counters have one owner, the metrics (host/metrics.py;
+`engine.stats` is theirs).
 
 `clock` is simulated seconds: the measured time of the engine's own iterations without
 compilation (a one-off cost that would tax whichever run meets more shapes), idle gaps jumped
 to the next arrival rather than slept (the lower tiers' disk writes in flight are awaited
 there, off the clock: they would have landed during the idle time).
 """
-import collections
 import threading
 import time
 from typing import Callable, List, Optional, Sequence as Seq, Union
@@ -30,12 +38,12 @@ from pagedjax.host.requests.completions import Completions
 from pagedjax.host.scheduling.swap_store import SwapStore
 from pagedjax.host.requests.intake import RequestError  # pylint: disable=unused-import  (re-exported)
 from pagedjax.host.requests.intake import RequestIntake, prompt_list
-from pagedjax.host.scheduling.lanes import Lanes
 from pagedjax.host.metrics import Metrics
 from pagedjax.host.scheduling.offload import Offload
 from pagedjax.host.cache.prefix_cache import make_prefix_cache
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.scheduling.scheduler import Scheduler
+from pagedjax.host.scheduling.update import StepUpdate
 from pagedjax.host.requests.sequence import Completion, Sequence, Status
 from pagedjax.model.llama import ModelConfig
 
@@ -98,13 +106,14 @@ class Engine:
                                    pool_cfg.kv_quant(model_cfg.dtype), eng.max_batch_size, mesh)
     self.swap_store = swap = (SwapStore(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks
                                  - 1) if sched.preemption != 'recompute' else None)
-    self.stats = collections.Counter()
     self.executor = backend.executor(
         params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
         self.block_manager, vocab_size=model_cfg.vocab_size, max_batch_size=eng.max_batch_size,
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, swap_store=swap, timer=timer,
-        stats=self.stats, decode_min_rows=eng.decode_min_rows)
+        decode_min_rows=eng.decode_min_rows)
+    self.executor.backend = backend  # what built it (cost figures, experiments/cluster.py)
     self.tiers = tiering.build_tiers(config, model_cfg, self.executor)  # None: no lower tiers
+    self.executor.tiers = self.tiers
     self.offload = self._build_offload(config, model_cfg, backend)  # None: off
     cost = None  # the cost model preemption weighs (host/tiers/tier_cost.py), measured on the device
     if sched.preemption == 'auto' or sched.victim == 'cost':
@@ -122,8 +131,8 @@ class Engine:
         self.block_manager, vocab_size=model_cfg.vocab_size, max_seq_len=self.max_seq_len,
         max_batch_size=eng.max_batch_size, can_share=not pool.scheme.recent_window,
         eos_id=eos_id, tokenizer=tokenizer, offload=self.offload)
-    self.lanes = Lanes(eng.max_batch_size)
-    self.beams = BeamSearch(self.scheduler, self.lanes, self.stats, self.max_seq_len)
+    self.lanes = self.scheduler.lanes
+    self.beams = BeamSearch(self.scheduler, self.max_seq_len)
     alerts = config.alerts  # the windowed prefix hit rate, its alert and throttle
     self.hit_rate = HitRateMonitor(alerts.hit_rate_window, alerts.hit_rate_drop,
                                    alerts.throttle_prefill_tokens)
@@ -132,6 +141,9 @@ class Engine:
     self.clock, self._timer = 0.0, timer
     self.completions = Completions(self.metrics, tokenizer)
     self.finished = self.completions.finished  # request id -> Completion
+    self.update = StepUpdate(self.scheduler, self.block_manager, self.beams, self.completions,
+                             self.metrics, self.hit_rate, eos_id=eos_id,
+                             max_seq_len=self.max_seq_len)
 
   def _build_offload(self, config: Config, model_cfg: ModelConfig, backend):
     """Offload (host/scheduling/offload.py) and its streamed path on the executor, when
@@ -142,14 +154,12 @@ class Engine:
     if backend is not DEVICE:
       raise ValueError('config.offload.host_blocks > 0 needs the real device backend: the '
                        'streamed path has no simulated cost yet')
-    offload = Offload(self.executor.pool.block_array_shapes(), self.block_manager,
-                      host_blocks=off.host_blocks, device_blocks=off.device_blocks,
-                      chunk_blocks=off.chunk_blocks,
-                      instead_of_preempting=off.instead_of_preempting,
-                      max_seq_len=self.max_seq_len)
+    offload = Offload.from_config(self.executor.pool.block_array_shapes(), self.block_manager,
+                                  off, self.max_seq_len)
     self.executor.offload = offload
     self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
-                                               off.chunk_blocks, self.executor.token_buckets)
+                                               off.chunk_blocks, self.executor.token_buckets,
+                                               self.executor.batch_buckets)
     return offload
 
   @property
@@ -164,6 +174,12 @@ class Engine:
   @property
   def running(self) -> List[Sequence]:
     return self.scheduler.running
+
+  @property
+  def stats(self):
+    """The run's counters (a collections.Counter), owned and written by the metrics
+    (Metrics.counters, host/metrics.py): read them here, never write."""
+    return self.metrics.counters
 
   # ---- submission --------------------------------------------------------------------------
 
@@ -189,7 +205,7 @@ class Engine:
     if group[0].beam:
       self.beams.groups.append(group[0].beam)
     self.completions.track(group)
-    self.stats['prompt_tokens_submitted'] += len(ids)
+    self.metrics.count_submitted(len(ids))
     self._release_arrivals()
     return [seq.request_id for seq in group]
 
@@ -217,47 +233,16 @@ class Engine:
     if not self.scheduler.has_work():
       return []
     plan = self.scheduler.schedule()
-    for seq, policy in plan.preempted:
-      self.lanes.release(seq)
-      self.stats['preemptions'] += 1
-      self.stats[f'preemptions_{policy}'] += 1
-    self.lanes.assign(self.running)
-    self.stats['forks'] += len(plan.forked)
-    timing = collections.Counter()
-    sampled = self.executor.execute(plan, timing)
-    self.stats['steps'] += 1
-    now = self.clock + self._timer() - start - timing['compile']
-    finishing = [(seq, self._append(seq, token, logits, now)) for seq, token, logits in sampled]
-    self.metrics.record_step(
-        t=now, running=self.running, num_waiting=len(self.scheduler.waiting),
-        num_swapped=len(self.scheduler.swapped), free_blocks=self.allocator.num_free,
-        memory_blocked=plan.memory_blocked, prefill_tokens=plan.num_prefill_tokens,
-        decode_tokens=plan.num_decode_tokens,
-        host_s=now - self.clock - timing['device'], device_s=timing['device'],
-        compile_s=timing['compile'])
-    if self.hit_rate.throttle_prefill_tokens:  # admission throttled while the alert is active
-      self.scheduler.prefill_cap = self.hit_rate.prefill_cap
-    completions = []
-    for seq, reason in finishing:
-      if reason:
-        self.scheduler.finish(seq, now)
-        self.lanes.release(seq)
-        completions.append(self.completions.of_sequence(seq, reason, now))
-    completions += [self.completions.of_beams(group, now) for group in self.beams.advance(now)]
-    self.stats['device_seconds'] += timing['device']
-    self.stats['compile_seconds'] += timing['compile']
+    output = self.executor.run(plan)
+    now = self.clock + self._timer() - start - output.compile_s
+    finished = self.update.update(plan, output, now,
+                                  host_s=now - self.clock - output.device_s)
     self.clock = now
-    return completions
-
-  def _append(self, seq: Sequence, token: int, logits, now: float) -> Optional[str]:
-    """Appends a sampled token; returns why the sequence finishes, or None."""
-    seq.output_ids.append(token)
-    self.stats['generated_tokens'] += 1
-    if logits is not None:
-      self.completions.logits[seq.request_id].append(logits)
-    if seq.first_token_time is None:
-      seq.first_token_time = now
-    return seq.finish_reason_now(self.eos_id, self.max_seq_len)
+    if self.tiers is not None:  # write-through: the blocks the cache just took, copied down
+      written = self.executor.write_through()
+      self.metrics.count_device(written)
+      self.clock += written.device_s
+    return finished
 
   # ---- driving -----------------------------------------------------------------------------
 
@@ -295,10 +280,9 @@ class Engine:
     """No progress for MAX_IDLE_ITERATIONS iterations (admission and the submit checks are meant
     to rule this out): fail one stuck unit of sequences, releasing its blocks, and go on."""
     unit = self.scheduler.stalled_unit()
-    self.stats['aborted'] += 1
+    self.metrics.count_aborted()
     for seq in unit:
       self.scheduler.abort(seq)
-      self.lanes.release(seq)
       seq.status = Status.FINISHED
     group = unit[0].beam
     if group is not None:
@@ -351,7 +335,7 @@ class Engine:
           'streamed_rows', 'streamed_tokens', 'streamed_steps',
           'streamed_bytes')})
     return self.metrics.engine_summary(
-        self.stats, self.prefix_cache, pool_kind=cfg.pool.kind,
+        self.prefix_cache, pool_kind=cfg.pool.kind,
         preemption=cfg.scheduler.preemption, block_size=self.block_size,
         num_blocks=self.allocator.num_blocks, kv_bytes_per_token=self.kv_bytes_per_token,
         kv_pool_bytes=self.pool.nbytes, num_compilations=self.num_compilations, **extra)

@@ -16,29 +16,37 @@ causally, and padded queries (position -1) see nothing and output zeros.
 
 Layouts, one sequence (no batch axis): q [T, Hq, Dh]; K/V spans in the pool's block layout
 [N, Hkv, bs, Dh] (pagedjax/device/pool.py) with positions [N, bs]; states hold the rows
-R = T * G of each KV head ordered (t, g), as contract.group_rows.
+R = T * G of each KV head ordered (t, g), as contract.group_rows. A batch of B sequences maps
+these over its rows (jax.vmap): states [B, Hkv, R(, Dh)].
 
-`StreamedAttention` runs one offloaded row of an engine iteration through the model this way
-(the executor calls it beside the batched steps, pagedjax/executor.py):
+`StreamedAttention` runs an engine iteration's offloaded rows through the model this way (the
+executor calls it beside the batched steps, pagedjax/executor.py). Rows of one token bucket go
+together, B of them padded to a row bucket (the engine's powers of two up to max_batch_size):
 
-  embed        the row's T tokens (a prompt chunk padded to engine.prefill_chunk, or 1)
+  embed        the rows' T tokens (prompt chunks padded to engine.prefill_chunk, or 1)
   per layer:
-    begin      q/k/v; the new K/V written into the engine's pool at the row's slots, in the
-               pool's own scheme (donated: in place); the partial state over its window blocks
-    fold       per chunk of C host blocks: the layer's chunk put on the device, dequantized as
-               the pool would, its partial state merged into the running one (online softmax)
+    begin      q/k/v; the new K/V written into the engine's pool at the rows' slots, in the
+               pool's own scheme (donated: in place); each row's partial state over its window
+    fold       per fold step i: every row's i-th chunk of C host blocks (host block 0 at
+               positions -1 for a row with fewer chunks) put on the device in one transfer,
+               dequantized as the pool would, merged into each row's running state
     end        normalise, o_proj, residual, MLP
-  finish       final norm, logits of the last real row, and the engine's own sampler
+  finish       final norm, logits of each row's last real token, and the engine's own sampler
                (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds)
+So a batch costs L * (2 + the longest row's chunks) + 2 calls, whatever B is. The store's reads
+of a layer are started while the layer before computes (`OffloadStore.start_read`: a disk
+placement reads asynchronously).
 
 The weights are the engine's: on one CPU device each layer's params are views of the stacked
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
 index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
-W, the chunk C and the query length T, one of the engine's two token buckets. So an engine
-compiles 10 programs here, 5 per query length, whatever the context; the layer is a traced
-argument. Every one is counted in pagedjax/device/traces.py, and engines of one model and pool
-shape share them (module-level jits, the model config and storage spec static).
+W, the chunk C, the row bucket B and the query length T, one of the engine's two token
+buckets. So an engine compiles 5 programs per (T, B) it meets, whatever the context: at most
+10 x the number of row buckets; the layer is a traced argument. Every one is counted in
+pagedjax/device/traces.py, and engines of one model and pool shape share them (module-level
+jits, the model config and storage spec static).
 """
+import collections
 import functools
 from typing import Dict, List, NamedTuple
 
@@ -105,14 +113,16 @@ def normalise(state: State, num_heads: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# One offloaded row of an engine iteration
+# The offloaded rows of an engine iteration, batched
 # ------------------------------------------------------------------------------------------------
 class RowInputs(NamedTuple):
-  """Where one row's T new tokens are and go (device arrays, the same for every layer)."""
-  positions: jax.Array  # [T] int32, -1 = padding
-  slots: jax.Array  # [T] int32: the pool slot each token's K/V is written to (padding: slot 0)
-  window_table: jax.Array  # [W] int32: the row's device blocks, oldest first (padding: null)
-  window_positions: jax.Array  # [W, bs] int32: their tokens' positions, new ones included
+  """Where a batch's new tokens are and go: B rows of T tokens (device arrays, the same for
+  every layer). A padding row has positions -1, writes into the null block and has an empty
+  window."""
+  positions: jax.Array  # [B, T] int32, -1 = padding
+  slots: jax.Array  # [B, T] int32: the pool slot each token's K/V is written to (padding: 0)
+  window_table: jax.Array  # [B, W] int32: each row's device blocks, oldest first (null pads)
+  window_positions: jax.Array  # [B, W, bs] int32: their tokens' positions, new ones included
 
 
 class StreamedRow(NamedTuple):
@@ -129,11 +139,14 @@ class StreamedRow(NamedTuple):
 
 
 class _Slots(NamedTuple):
-  slot_mapping: jax.Array  # [1, T]: what the pool's schemes write through (KVPool.at_slots)
+  slot_mapping: jax.Array  # [B, T]: what the pool's schemes write through (KVPool.at_slots)
 
 
 def _layer(lp, layer, stacked: bool):
   return jax.tree_util.tree_map(lambda a: a[layer], lp) if stacked else lp
+
+
+_partial_states = jax.vmap(partial_state)  # one state per row: [B, Hkv, R(, Dh)]
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -143,38 +156,38 @@ def _embed(cfg, params, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _begin_layer(cfg, stacked, lp, layer, x, pool, row: RowInputs):
+def _begin_layer(cfg, stacked, lp, layer, x, pool, rows: RowInputs):
   traces.record()
-  q, k, v = llama.layer_qkv(cfg, _layer(lp, layer, stacked), x[None], row.positions[None])
-  pool = pool_lib.write_kv(pool, layer, k, v, _Slots(row.slots[None]))
-  window_k, window_v = pool.scheme.read_blocks(pool, layer, row.window_table)
-  state = partial_state(q[0], row.positions, window_k, window_v, row.window_positions)
-  return q[0], state, pool
+  q, k, v = llama.layer_qkv(cfg, _layer(lp, layer, stacked), x, rows.positions)
+  pool = pool_lib.write_kv(pool, layer, k, v, _Slots(rows.slots))
+  window_k, window_v = pool.scheme.read_blocks(pool, layer, rows.window_table)
+  state = _partial_states(q, rows.positions, window_k, window_v, rows.window_positions)
+  return q, state, pool
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_positions):
   traces.record()
-  # The chunk as a one-layer pool of its C blocks, read (dequantized) by the pool's scheme.
+  # The chunk as a one-layer pool of its B * C blocks, read (dequantized) by the pool's scheme.
   blocks = pool_lib.KVPool(**{name: a[None] for name, a in chunk.items()}, spec=spec)
-  k, v = blocks.scheme.read_blocks(blocks, 0, jnp.arange(chunk_positions.shape[0]))
-  return combine(state, partial_state(q, positions, k, v, chunk_positions))
+  rows, chunk_blocks = chunk_positions.shape[:2]
+  k, v = blocks.scheme.read_blocks(blocks, 0,
+                                   jnp.arange(rows * chunk_blocks).reshape(rows, chunk_blocks))
+  return combine(state, _partial_states(q, positions, k, v, chunk_positions))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _end_layer(cfg, stacked, lp, layer, x, state):
   traces.record()
-  attn = normalise(state, cfg.num_heads).astype(x.dtype)
-  return llama.layer_output(cfg, _layer(lp, layer, stacked), x[None], attn[None])[0]
+  attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state).astype(x.dtype)
+  return llama.layer_output(cfg, _layer(lp, layer, stacked), x, attn)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _finish(cfg, params, x, index, temperature, top_k, top_p, seed, counter):
   traces.record()
-  logits = llama.final_logits(cfg, params, x[index])
-  token = sample(logits[None], temperature[None], top_k[None], top_p[None], seed[None],
-                 counter[None])[0]
-  return token, logits
+  logits = llama.final_logits(cfg, params, x[jnp.arange(x.shape[0]), index])
+  return sample(logits, temperature, top_k, top_p, seed, counter), logits
 
 
 def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
@@ -192,16 +205,41 @@ def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
   return out
 
 
+def batch_chunks(host_tables: List[List[int]], rows: int, chunk_blocks: int, block_size: int):
+  """The fold steps of a batch of `rows` rows (the first len(host_tables) real): step i holds
+  every row's i-th chunk, (host ids [rows * C], positions [rows, C, bs]); a row with fewer
+  chunks, and a padding row, gets host block 0 at positions -1 there. As many steps as the
+  longest row has chunks."""
+  per_row = [padded_chunks(t, chunk_blocks, block_size) for t in host_tables]
+  steps = max((len(c) for c in per_row), default=0)
+  out = []
+  for i in range(steps):
+    ids = np.zeros((rows, chunk_blocks), np.int64)
+    positions = np.full((rows, chunk_blocks, block_size), -1, np.int32)
+    for r, chunks in enumerate(per_row):
+      if i < len(chunks):
+        ids[r], positions[r] = chunks[i]
+    out.append((ids.reshape(-1), positions))
+  return out
+
+
 class StreamedAttention:
-  """The engine's streamed path (module docstring): `run` feeds one offloaded row."""
+  """The engine's streamed path (module docstring): `run` feeds an iteration's offloaded rows.
+
+  Rows are batched: those of one token bucket (prompt chunks, or decode tokens) go through one
+  set of calls, padded to a row bucket (`row_buckets`, the engine's powers of two up to
+  max_batch_size), so two long requests decoding together cost one call per layer and chunk,
+  not two. Compiled shapes: 5 programs per (token bucket, row bucket) met, each counted
+  (device/traces.py). `counters`: batches run, their padding rows, and fold calls."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
-               chunk_blocks: int, token_buckets):
+               chunk_blocks: int, token_buckets, row_buckets=(1,)):
     self.cfg, self.block_size = cfg, block_size
     self.window_blocks, self.chunk_blocks = window_blocks, chunk_blocks
-    self.token_buckets = sorted(token_buckets)
+    self.token_buckets, self.row_buckets = sorted(token_buckets), sorted(row_buckets)
     self._layers = None  # (params, [per-layer params], stacked), for the params last seen
     self._layer_ids = [np.int32(i) for i in range(cfg.num_layers)]
+    self.counters = collections.Counter()
 
   def layers(self, params):
     """Each layer's params as the programs take them (module docstring: views, or stacked)."""
@@ -218,49 +256,87 @@ class StreamedAttention:
         self._layers = (params, [stacked_tree] * self.cfg.num_layers, True)
     return self._layers[1], self._layers[2]
 
-  def row_inputs(self, row: StreamedRow) -> RowInputs:
-    """The row's positions, slots and window as numpy arrays (host arithmetic)."""
-    bs, count = self.block_size, len(row.tokens)
-    padded = next(t for t in self.token_buckets if t >= count)
-    first = len(row.host_table)  # the window's first logical block
-    positions = np.full(padded, -1, np.int32)
-    positions[:count] = np.arange(row.start, row.start + count)
-    table = np.zeros(self.window_blocks, np.int32)  # the null block pads the window
-    table[:len(row.window_table)] = row.window_table
-    slots = np.zeros(padded, np.int32)  # padded rows write into the null block's slot 0
-    real = positions[:count]
-    slots[:count] = table[real // bs - first] * bs + real % bs
-    end = row.start + count  # tokens cached once this row's K/V are written
-    window_positions = ((first + np.arange(self.window_blocks))[:, None] * bs +
-                        np.arange(bs)).astype(np.int32)
-    window_positions[len(row.window_table):] = -1
-    window_positions[window_positions >= end] = -1
+  def row_inputs(self, rows: List[StreamedRow], num_rows: int, num_tokens: int) -> RowInputs:
+    """The batch's positions, slots and windows as numpy arrays (host arithmetic): `rows`
+    padded to num_rows rows of num_tokens tokens."""
+    bs, w = self.block_size, self.window_blocks
+    positions = np.full((num_rows, num_tokens), -1, np.int32)
+    slots = np.zeros((num_rows, num_tokens), np.int32)  # padding writes the null block's slot 0
+    table = np.zeros((num_rows, w), np.int32)  # the null block pads a window
+    window_positions = np.full((num_rows, w, bs), -1, np.int32)
+    for r, row in enumerate(rows):
+      count, first = len(row.tokens), len(row.host_table)  # first: the window's logical block
+      real = np.arange(row.start, row.start + count)
+      positions[r, :count] = real
+      table[r, :len(row.window_table)] = row.window_table
+      slots[r, :count] = table[r, real // bs - first] * bs + real % bs
+      held = ((first + np.arange(len(row.window_table)))[:, None] * bs + np.arange(bs))
+      held[held >= row.start + count] = -1  # not cached even once this row's K/V are written
+      window_positions[r, :len(row.window_table)] = held
     return RowInputs(positions, slots, table, window_positions)
 
-  def run(self, params, pool, store, row: StreamedRow):
-    """Feeds one row; returns (pool, sampled token, logits [V] as numpy, host -> device bytes
-    streamed). `store` is the offload store (host/offload.OffloadStore)."""
-    cfg, count = self.cfg, len(row.tokens)
-    host = self.row_inputs(row)
-    tokens = np.zeros(len(host.positions), np.int32)
-    tokens[:count] = row.tokens
-    # The row's inputs go to the device once, not once per layer call.
+  def run(self, params, pool, store, rows: List[StreamedRow]):
+    """Feeds the rows; returns (pool, sampled tokens [len(rows)], logits [len(rows), V] as
+    numpy, host -> device bytes streamed). `store` is the offload store
+    (host/scheduling/offload.OffloadStore). Rows are grouped by token bucket and cut into
+    batches of at most the largest row bucket."""
+    def token_bucket(row):
+      return next(t for t in self.token_buckets if t >= len(row.tokens))
+
+    tokens, logits, streamed = [None] * len(rows), [None] * len(rows), 0
+    largest = self.row_buckets[-1]
+    for bucket in sorted({token_bucket(r) for r in rows}):
+      members = [i for i, r in enumerate(rows) if token_bucket(r) == bucket]
+      for first in range(0, len(members), largest):
+        part = members[first:first + largest]
+        pool, got, got_logits, nbytes = self._run_batch(params, pool, store,
+                                                        [rows[i] for i in part], bucket)
+        streamed += nbytes
+        for j, i in enumerate(part):
+          tokens[i], logits[i] = int(got[j]), got_logits[j]
+    return pool, tokens, np.stack(logits), streamed
+
+  def _run_batch(self, params, pool, store, rows: List[StreamedRow], num_tokens: int):
+    """One batch of rows of at most num_tokens tokens through every layer (module docstring)."""
+    cfg = self.cfg
+    num_rows = next(b for b in self.row_buckets if b >= len(rows))
+    host = self.row_inputs(rows, num_rows, num_tokens)
+    token_ids = np.zeros((num_rows, num_tokens), np.int32)
+    for r, row in enumerate(rows):
+      token_ids[r, :len(row.tokens)] = row.tokens
+    # The batch's inputs go to the device once, not once per layer call.
     inputs = RowInputs(*jax.device_put(tuple(host)))
-    chunks = [(ids, jax.device_put(positions))
-              for ids, positions in padded_chunks(row.host_table, self.chunk_blocks,
-                                                  self.block_size)]
+    steps = batch_chunks([r.host_table for r in rows], num_rows, self.chunk_blocks,
+                         self.block_size)
+    step_positions = [jax.device_put(positions) for _, positions in steps]
+    self.counters['batches'] += 1
+    self.counters['padding_rows'] += num_rows - len(rows)
+    self.counters['fold_calls'] += cfg.num_layers * len(steps)
     layers, stacked = self.layers(params)
     streamed = 0
-    x = _embed(cfg, params, tokens)
+    # Reads are started one layer ahead (a disk store reads while the layer before computes).
+    pending = [store.start_read(0, ids) for ids, _ in steps]
+    x = _embed(cfg, params, token_ids)
     for layer, lp in enumerate(layers):
       layer_id = self._layer_ids[layer]
       q, state, pool = _begin_layer(cfg, stacked, lp, layer_id, x, pool, inputs)
-      for ids, chunk_positions in chunks:
-        data = jax.device_put(store.layer_chunk(layer, ids))
+      upcoming = ([store.start_read(layer + 1, ids) for ids, _ in steps]
+                  if layer + 1 < cfg.num_layers else [])
+      for read, chunk_positions in zip(pending, step_positions):
+        data = jax.device_put(read())
         streamed += sum(a.nbytes for a in data.values())
         state = _fold(pool.spec, state, q, inputs.positions, data, chunk_positions)
+      pending = upcoming
       x = _end_layer(cfg, stacked, lp, layer_id, x, state)
-    token, logits = _finish(cfg, params, x, np.int32(count - 1), np.float32(row.temperature),
-                            np.int32(row.top_k), np.float32(row.top_p), np.int32(row.seed),
-                            np.int32(row.counter))
-    return pool, int(token), np.asarray(logits), streamed
+    index = np.zeros(num_rows, np.int32)  # each row's last real token (padding rows: 0)
+    index[:len(rows)] = [len(r.tokens) - 1 for r in rows]
+
+    def per_row(field, dtype, padding=0):
+      values = np.full(num_rows, padding, dtype)
+      values[:len(rows)] = [getattr(r, field) for r in rows]
+      return values
+
+    token, logits = _finish(cfg, params, x, index, per_row('temperature', np.float32),
+                            per_row('top_k', np.int32), per_row('top_p', np.float32, 1.0),
+                            per_row('seed', np.int32), per_row('counter', np.int32))
+    return pool, np.asarray(token)[:len(rows)], np.asarray(logits)[:len(rows)], streamed

@@ -44,21 +44,9 @@ from typing import Dict, Optional, Sequence as Seq
 
 import numpy as np
 
-from pagedjax.host.scheduling.swap_store import SwapStore
+from pagedjax.host.scheduling.offload_store import OffloadStore
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.requests.sequence import Sequence
-
-
-class OffloadStore(SwapStore):
-  """The host-RAM blocks of offloaded sequences (a SwapStore sized by offload.host_blocks)."""
-
-  def __init__(self, block_array_shapes, num_blocks: int):
-    super().__init__(block_array_shapes, num_blocks, field='offload.host_blocks')
-
-  def layer_chunk(self, layer: int, host_ids: np.ndarray) -> Dict[str, np.ndarray]:
-    """Field name -> [len(host_ids), ...]: one layer's arrays of these host blocks (a copy;
-    host block 0, never handed out, pads a short chunk)."""
-    return {name: array[layer, host_ids] for name, array in self._store.items()}
 
 
 class Offload:
@@ -66,14 +54,27 @@ class Offload:
   BlockManager: device blocks moved out are freed through its allocator."""
 
   def __init__(self, block_array_shapes, blocks, *, host_blocks: int, device_blocks: int,
-               chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int):
-    self.store = OffloadStore(block_array_shapes, host_blocks)
-    self.allocator = self.store.allocator  # host block ids and ref counts
+               chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int,
+               disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host'):
+    self.store = OffloadStore(block_array_shapes, host_blocks, disk_blocks, disk_kvstore,
+                              placement)
+    self.allocator = self.store.allocator  # offload block ids (both tiers) and ref counts
     self.blocks, self.block_size = blocks, blocks.block_size
-    self.capacity, self.window, self.chunk_blocks = host_blocks, device_blocks, chunk_blocks
+    self.host_blocks, self.disk_blocks, self.placement = host_blocks, disk_blocks, placement
+    self.capacity = host_blocks + disk_blocks
+    self.window, self.chunk_blocks = device_blocks, chunk_blocks
     self.instead_of_preempting, self.max_seq_len = instead_of_preempting, max_seq_len
     self._owed: Dict[int, int] = {}  # request id -> host blocks reserved, not yet taken
     self.counters = collections.Counter()
+
+  @classmethod
+  def from_config(cls, block_array_shapes, blocks, off, max_seq_len: int) -> 'Offload':
+    """From config.offload (pagedjax/config.py OffloadConfig), validated."""
+    return cls(block_array_shapes, blocks, host_blocks=off.host_blocks,
+               device_blocks=off.device_blocks, chunk_blocks=off.chunk_blocks,
+               instead_of_preempting=off.instead_of_preempting, max_seq_len=max_seq_len,
+               disk_blocks=off.disk_blocks, disk_kvstore=off.disk_kvstore,
+               placement=off.placement)
 
   # ---- what a request needs --------------------------------------------------------------
 
@@ -97,10 +98,12 @@ class Offload:
     need = self.host_need(prompt_len, params)
     if need > self.capacity:
       samples = f' for n={params.n} samples' if params.n > 1 else ''
+      room = (f'offload.host_blocks is {self.capacity}' if not self.disk_blocks else
+              f'offload.host_blocks + offload.disk_blocks is {self.host_blocks} + '
+              f'{self.disk_blocks} = {self.capacity} (host RAM and the disk tier)')
       return (f'request needs up to {need} host blocks of {self.block_size} tokens{samples} '
               f'beyond the {self.window} it keeps on the device (offload.device_blocks; '
-              f'{self._longest(prompt_len, params)} tokens), but offload.host_blocks is '
-              f'{self.capacity}: it can never fit')
+              f'{self._longest(prompt_len, params)} tokens), but {room}: it can never fit')
     return None
 
   # ---- reservations ----------------------------------------------------------------------
@@ -206,7 +209,11 @@ class Offload:
 
   def figures(self) -> dict:
     """The engine summary's offload figures."""
-    return {'offload_host_blocks': self.capacity, 'offload_device_blocks': self.window,
+    return {'offload_host_blocks': self.host_blocks, 'offload_disk_blocks': self.disk_blocks,
+            'offload_placement': self.placement, 'offload_device_blocks': self.window,
             'offload_chunk_blocks': self.chunk_blocks,
-            'offload_host_blocks_used': self.allocator.num_used, **self.counters}
+            'offload_host_blocks_used': self.allocator.used('host'),
+            'offload_disk_blocks_used': self.allocator.used('disk'),
+            'offload_host_bytes_read': self.store.bytes_read['host'],
+            'offload_disk_bytes_read': self.store.bytes_read['disk'], **self.counters}
 
