@@ -175,11 +175,12 @@ def share_compilation_cache(directory: str) -> None:
                     float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
 
 
-def single_engine_tokens(typed, requests) -> dict:
+def single_engine_tokens(typed, requests, tokenizer=None) -> dict:
   """request id -> one engine's greedy tokens for it (all requests in one generate call). Run
   in this process before any deployment: it also compiles the programs the replicas will ask
   for into the shared compilation cache, so no router's TTFT pays for compiling them first."""
-  engine = factory.build_engine(typed)
+  engine = factory.build_engine(typed, tokenizer)
+  serve_lib.warm_up(engine)  # the replicas' own first request
   done = engine.generate([r.prompt_ids for r in requests],
                          dict(max_new_tokens=max(r.max_new_tokens for r in requests),
                               temperature=0.0, stop_on_eos=False))
@@ -304,7 +305,7 @@ def study(config, workdir: str) -> dict:
   # One compilation cache for this process and every replica (they inherit the environment):
   # the single engine compiles first, the replicas load what it compiled.
   share_compilation_cache(os.path.join(workdir, 'jit-cache'))
-  single = single_engine_tokens(typed, requests)
+  single = single_engine_tokens(typed, requests, tokenizer)
   with serve_lib.ray_started():  # one Ray for every router's deployment
     live = [live_router(config, typed, tokenizer, row, requests) for row in s.routers]
   for row, (figures, mine) in zip(s.routers, live):

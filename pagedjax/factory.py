@@ -26,10 +26,11 @@ def typed(config) -> Config:
   return config.validate() if isinstance(config, Config) else Config.from_configdict(config)
 
 
-def build_engine(config=Config(), **engine_kwargs) -> Engine:
+def build_engine(config=Config(), tokenizer=None, **engine_kwargs) -> Engine:
   """Loads the config's model and tokenizer and returns an engine for it: the one call a
-  library user needs (`pagedjax.build_engine(Config(...))`)."""
-  model_cfg, params, tokenizer = load_model_and_tokenizer(config)
+  library user needs (`pagedjax.build_engine(Config(...))`). A `tokenizer` given is used
+  instead of loading the config's (a served replica gets the one its driver loaded)."""
+  model_cfg, params, tokenizer = load_model_and_tokenizer(config, tokenizer)
   return make_engine(config, model_cfg, params, tokenizer, **engine_kwargs)
 
 
@@ -62,8 +63,9 @@ def check_pool_fits(model_cfg, config: Config, available: int = None) -> int:
   return need
 
 
-def load_model_and_tokenizer(config):
-  """-> (ModelConfig, params, Tokenizer). Random models borrow SmolLM2's tokenizer.
+def load_model_and_tokenizer(config, tokenizer=None):
+  """-> (ModelConfig, params, Tokenizer). Random models borrow SmolLM2's tokenizer; a
+  `tokenizer` given is returned instead of loading one (parsing a GGUF takes seconds).
 
   The mesh is checked against the model's head counts and the devices before params are made
   (random models) or right after the checkpoint's shape is known (loaded ones).
@@ -81,13 +83,14 @@ def load_model_and_tokenizer(config):
     sharding.validate_mesh(model_cfg, tp, jax.device_count())
     check_pool_fits(model_cfg, config)  # before the params are made
     params = init_params(model_cfg, seed=m.random.seed)
-    tokenizer = Tokenizer.from_gguf(weights.smollm2_gguf_path())
+    if tokenizer is None:
+      tokenizer = Tokenizer.from_gguf(weights.smollm2_gguf_path())
   else:
     model_cfg, params = weights.load_model(m.source, m.path or None, cache_dir)
     model_cfg = dataclasses.replace(model_cfg, dtype=m.dtype)
-    if m.source == 'safetensors':
+    if tokenizer is None and m.source == 'safetensors':
       tokenizer = Tokenizer.from_file(os.path.join(m.path, 'tokenizer.json'))
-    else:
+    elif tokenizer is None:
       tokenizer = Tokenizer.from_gguf(m.path or weights.smollm2_gguf_path())
     sharding.validate_mesh(model_cfg, tp, jax.device_count())
     check_pool_fits(model_cfg, config)

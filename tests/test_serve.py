@@ -8,6 +8,7 @@ down (Ray included); every wait bounded."""
 import re
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -27,13 +28,15 @@ PREFIX = ('In the beginning God created the heaven and the earth. And the earth 
 @pytest.fixture(scope='module')
 def setup(request):
   config = factory.typed(serve_config.get_config('tiny'))
-  tokenizer = serve_study.tokenizer_for(config)
+  tokenizer = serve_study.tokenizer_for(config)  # loaded once: the replicas get this one
+  engine = factory.build_engine(config, tokenizer)
+  serve_lib.warm_up(engine)  # compiled here first: the replicas load it from the test run's cache
   deployment = serve_lib.ServeDeployment(config, 2, ('precise', 'precise', {}),
                                          tokenizer=tokenizer, request_timeout_s=TIMEOUT_S,
                                          start_timeout_s=240)
-  request.addfinalizer(deployment.stop)  # Serve and Ray down whatever happens below
+  request.addfinalizer(deployment.stop)  # Ray, and Serve with it, down whatever happens below
   deployment.start()
-  return deployment, factory.build_engine(config), tokenizer
+  return deployment, engine, tokenizer
 
 
 def reference(engine, prompt, max_tokens):
@@ -74,6 +77,7 @@ def test_completions_equal_a_single_engine(setup):
     ({'temperature': 'hot'}, 'temperature='),
     ({'best_of': 2}, "field 'best_of' is not allowed"),
     ({'stream': True, 'prompt': list(range(2000))}, 'max_seq_len'),
+    ({'request_id': ''}, 'request_id='),
 ])
 def test_refused_requests_are_400_with_the_engine_message(setup, fields, says):
   deployment, _, _ = setup
@@ -95,21 +99,23 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
 
 def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup):
   deployment, engine, _ = setup
-  prompt, n = list(range(300, 340)), 300
+  prompt, n, rid = list(range(300, 340)), 300, f'kill-test-{uuid.uuid4().hex}'
   result = {}
   worker = threading.Thread(target=lambda: result.update(
-      out=serve_lib.post(deployment.url, body(prompt, n), TIMEOUT_S)))
+      out=serve_lib.post(deployment.url, body(prompt, n, request_id=rid), TIMEOUT_S)))
   worker.start()
   victim, deadline = None, time.monotonic() + TIMEOUT_S
   while victim is None and time.monotonic() < deadline and worker.is_alive():
-    _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
-    victim = next((uid for uid, s in states.items() if s['num_running']), None)
-    time.sleep(0.01)
+    # the replica that has THIS request in flight, as it published after its last iteration
+    serving = ray.get(deployment.bus.serving.remote(rid), timeout=TIMEOUT_S)
+    victim = serving[0] if serving else None
+    time.sleep(0.005)
   assert victim is not None, 'the request finished before a replica could be killed'
   ray.kill(deployment.replica_actors()[victim], no_restart=True)
   worker.join(TIMEOUT_S)
   status, out = result['out']
   assert status == 200, out
+  assert out['id'] == rid
   assert out['pagedjax']['attempts'] == 2 and out['pagedjax']['replica'] != victim
   assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
   _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)

@@ -94,7 +94,8 @@ class RoutedPrompt:
 
 
 COMPLETION_FIELDS = ('prompt', 'max_tokens', 'temperature', 'top_p', 'seed', 'stream', 'model',
-                     'cache_salt', 'ignore_eos')
+                     'cache_salt', 'ignore_eos', 'request_id')
+MAX_REQUEST_ID = 128  # characters
 
 
 def parse_completion(body, tokenizer=None) -> RoutedPrompt:
@@ -102,7 +103,9 @@ def parse_completion(body, tokenizer=None) -> RoutedPrompt:
 
   max_tokens (default 16, as OpenAI's) is SamplingParams.max_new_tokens; temperature (default
   1.0), top_p, seed and cache_salt are SamplingParams' own; ignore_eos (vLLM's extension,
-  default false) is `not stop_on_eos`. The parameters are checked here by
+  default false) is `not stop_on_eos`; request_id (vLLM's extension: the caller's id for the
+  request, the answer's `id`; default a fresh 'cmpl-...') is what KVEventBus.serving finds the
+  request's replica by. The parameters are checked here by
   the engine's own SamplingParams checks, the prompt (ids in the vocabulary, length within
   max_seq_len) by the engine that receives it."""
   if not isinstance(body, dict):
@@ -126,6 +129,10 @@ def parse_completion(body, tokenizer=None) -> RoutedPrompt:
   if not isinstance(ignore_eos, bool):
     raise RequestError(f'ignore_eos={brief(ignore_eos)} is not allowed: true or false')
   params['stop_on_eos'] = not ignore_eos
+  request_id = body.get('request_id', f'cmpl-{uuid.uuid4().hex[:24]}')
+  if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+    raise RequestError(f'request_id={brief(request_id)} is not allowed: a string of 1 to '
+                       f'{MAX_REQUEST_ID} characters')
   try:
     as_params(params).validate()
   except ValueError as e:  # the engine's own check, named as the request names the field
@@ -141,7 +148,7 @@ def parse_completion(body, tokenizer=None) -> RoutedPrompt:
     ids, text = prompt, ' '.join(map(str, prompt))
   else:
     ids, text = prompt, ''  # the engine names what is wrong with it
-  return RoutedPrompt(ids, text, params, f'cmpl-{uuid.uuid4().hex[:24]}', stream, model)
+  return RoutedPrompt(ids, text, params, request_id, stream, model)
 
 
 # ---- the KV event bus --------------------------------------------------------------------------
@@ -150,8 +157,10 @@ def parse_completion(body, tokenizer=None) -> RoutedPrompt:
 class KVEventBus:
   """Every replica's KV event batches in order, and its latest load figures.
 
-  publish(replica, wire_batch, state): a replica's batch (kv_events.batch_to_wire, or None) and
-  its ReplicaState fields. since(cursor) -> (next cursor, [(replica, wire batch)], {replica:
+  publish(replica, wire_batch, state, summary, serving): a replica's batch
+  (kv_events.batch_to_wire, or None), its ReplicaState fields, its Engine.summary() (or None)
+  and the request ids (RoutedPrompt.request_id) it has in flight. serving(request_id) -> the
+  replicas whose latest publication lists it (a test kills the one serving its request). since(cursor) -> (next cursor, [(replica, wire batch)], {replica:
   state}, lost): what came after `cursor`; lost is True when the bus had already dropped some
   of it (it keeps the last `max_batches`), and the reader must then start its index over.
   forget(replica): the replica is gone; readers get an AllBlocksCleared for it. summaries():
@@ -162,21 +171,28 @@ class KVEventBus:
     self._next = 0  # sequence number of the next batch
     self._states: Dict[str, dict] = {}
     self._summaries: Dict[str, dict] = {}
+    self._serving: Dict[str, frozenset] = {}  # replica -> request ids in flight there
 
   def publish(self, replica: str, batch: Optional[list], state: dict,
-              summary: Optional[dict] = None) -> None:
+              summary: Optional[dict] = None, serving=()) -> None:
     if batch is not None:
       self._log.append((self._next, replica, batch))
       self._next += 1
     self._states[replica] = state
+    self._serving[replica] = frozenset(serving)
     if summary is not None:
       self._summaries[replica] = summary
+
+  def serving(self, request_id: str) -> List[str]:
+    """The replicas whose latest publication lists request_id in flight (sorted)."""
+    return sorted(r for r, ids in self._serving.items() if request_id in ids)
 
   def summaries(self) -> Dict[str, dict]:
     """replica -> its Engine.summary() as last published (when it last went idle)."""
     return dict(self._summaries)
 
   def forget(self, replica: str) -> None:
+    self._serving.pop(replica, None)
     if self._states.pop(replica, None) is not None:
       self._log.append((self._next, replica, kv_events.batch_to_wire(kv_events.KVEventBatch(
           time.time(), (kv_events.AllBlocksCleared(None),)))))
@@ -193,11 +209,20 @@ class KVEventBus:
 class _Waiter:
   """A request in flight on a replica: the loop and queue its caller waits on."""
 
-  def __init__(self, loop, stream: bool):
+  def __init__(self, loop, stream: bool, request_id: str):
     self.loop, self.stream, self.queue, self.sent = loop, stream, asyncio.Queue(), 0
+    self.request_id = request_id
 
   def put(self, item) -> None:
     self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def warm_up(engine) -> None:
+  """One short request that compiles the first shapes before a replica takes traffic (its
+  prompt is shorter than a block: nothing is cached). An engine of the same config in the
+  driver that runs it first, with JAX's persistent compilation cache on (the replicas inherit
+  the driver's environment), lets the replicas load these programs instead of compiling them."""
+  engine.generate([[1, 2, 3]], dict(max_new_tokens=2, temperature=0.0))
 
 
 class EngineReplica:
@@ -205,15 +230,15 @@ class EngineReplica:
 
   STATE_EVERY_S = 0.02  # load figures alone are published at most this often
 
-  def __init__(self, config, bus_name: str):
+  def __init__(self, config, bus_name: str, tokenizer=None):
+    """tokenizer: the driver's (None: the replica loads the config's; parsing a GGUF takes
+    seconds per replica)."""
     from pagedjax import factory  # pylint: disable=import-outside-toplevel  (jax: replicas only)
-    self.engine = engine = factory.build_engine(config)
+    self.engine = engine = factory.build_engine(config, tokenizer)
     if engine.prefix_cache is None:
       raise ValueError('a served replica needs prefix_cache.enabled=True (the routers route by '
                        'cached prefix)')
-    # one short request compiles the first shapes before the replica takes traffic (its prompt
-    # is shorter than a block: nothing is cached)
-    engine.generate([[1, 2, 3]], dict(max_new_tokens=2, temperature=0.0))
+    warm_up(engine)
     self.uid = serve.get_replica_context().replica_id.unique_id
     self.log = kv_events.EventLog(engine.prefix_cache.events)
     self.capacity = engine.allocator.num_blocks - 1
@@ -289,14 +314,15 @@ class EngineReplica:
     if batch is None and not force and now - self._last_state < self.STATE_EVERY_S:
       return
     self._last_state = now
+    serving = [w.request_id for w in list(self.waiters.values())]
     self.bus.publish.remote(self.uid, batch and kv_events.batch_to_wire(batch), self.state(),
-                            self.summary() if summary else None)
+                            self.summary() if summary else None, serving)
 
   # the requests --------------------------------------------------------------------------------
 
   async def _submit(self, request: RoutedPrompt, stream: bool):
     """-> (waiter, None) or (None, error dict) when the engine refuses the request."""
-    waiter = _Waiter(asyncio.get_running_loop(), stream)
+    waiter = _Waiter(asyncio.get_running_loop(), stream, request.request_id)
 
     def submit():
       with self.engine.lock:
@@ -647,7 +673,7 @@ class ServeDeployment:
         max_ongoing_requests=self.max_ongoing_requests,
         request_router_config=router_config(self.row, self.bus_name),
         health_check_period_s=2, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name)
+        graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name, self.tokenizer)
     ingress = serve.deployment(CompletionsIngress).options(
         name='CompletionsIngress', ray_actor_options={'num_cpus': 0},
         max_ongoing_requests=1000).bind(engines, self.tokenizer, self.request_timeout_s)
@@ -686,8 +712,12 @@ class ServeDeployment:
     return out
 
   def stop(self) -> None:
-    """Serve, then the bus, then Ray if this started it; each step bounded, errors ignored
-    (stopping must always finish)."""
+    """A Ray this started is shut down, and every process of it (Serve's, the bus) with it;
+    else Serve, then the bus. Each step bounded, errors ignored (stopping must always finish)."""
+    if self._started_ray and ray.is_initialized():
+      ray.shutdown()  # no serve.shutdown first: it waits out each replica's graceful shutdown
+      self._started_ray, self.bus = False, None
+      return
     try:
       if ray.is_initialized():
         serve.shutdown()
