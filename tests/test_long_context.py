@@ -109,6 +109,48 @@ def test_a_warm_engine_compiles_nothing_more(offloaded):
   assert offloaded.num_compilations == before
 
 
+def test_two_long_requests_batched_in_one_streamed_call(offloaded, reference):
+  # 72 + 6 and 84 + 6 tokens (2.4x and 2.8x the pool), greedy, submitted together: their prompt
+  # chunks, then their decode tokens, go through the streamed path as batches of two rows (the
+  # shorter one's missing second chunk padded), with the tokens of each alone.
+  ps = prompts([72, 84], seed=12)
+  params = SamplingParams(max_new_tokens=6)
+  want = [_solo(reference, p, params) for p in ps]
+  alone = [_solo(offloaded, p, params) for p in ps]
+  counters = offloaded.executor.streamed.counters
+  pairs = counters['batches_of_2_rows']
+  got = offloaded.generate(ps, params)
+  for g, a, w in zip(got, alone, want):
+    _same(g, w)
+    assert g.output_ids == a.output_ids
+  assert counters['batches_of_2_rows'] - pairs >= params.max_new_tokens - 1  # the decodes, at least
+  # Warm now for one and two rows: another pair of other lengths compiles nothing.
+  before = offloaded.num_compilations
+  offloaded.generate(prompts([50, 75], seed=13), SamplingParams(max_new_tokens=3))
+  assert offloaded.num_compilations == before
+
+
+def test_disk_placement_gives_the_all_device_tokens(reference, tmp_path):
+  # Blocks leaving the window go to the disk tier first (6 blocks there), then host RAM: the
+  # 4x-the-pool request holds blocks on both, and chunks mix them. Tokens as all-device.
+  offload = dataclasses.replace(OFFLOAD, host_blocks=20, disk_blocks=6,
+                                disk_kvstore=str(tmp_path), placement='disk')
+  engine = _engine(POOL_BLOCKS + 1, offload)
+  prompt = prompts([120], seed=14)[0]
+  params = SamplingParams(max_new_tokens=8)
+  _same(_solo(engine, prompt, params), _solo(reference, prompt, params))
+  figures = engine.offload.figures()
+  assert figures['offload_disk_bytes_read'] > 0 and figures['offload_host_bytes_read'] > 0
+  assert figures['offload_disk_blocks_used'] == figures['offload_host_blocks_used'] == 0
+  with pytest.raises(RequestError, match=r'needs up to 27 host blocks .* offload.host_blocks '
+                                         r'\+ offload.disk_blocks is 20 \+ 6 = 26 \(host RAM '
+                                         r'and the disk tier\): it can never fit'):
+    engine.submit(prompts([220], seed=3)[0], SamplingParams(max_new_tokens=12))
+  assert [p.name for p in tmp_path.iterdir()][0].startswith('offload-')
+  engine.offload.store.close()  # its directory goes with it
+  assert not list(tmp_path.iterdir())
+
+
 def test_offload_instead_of_preempting(reference):
   # Both fit the pool alone, not together: the one holding more blocks shrinks to its window.
   engine = _engine(POOL_BLOCKS + 1, dataclasses.replace(OFFLOAD, instead_of_preempting=True))
@@ -153,6 +195,10 @@ def test_refused_beyond_host_ram_and_for_beams(offloaded):
     (dict(chunk_blocks=0), r'offload.chunk_blocks=0 is not allowed: an integer >= 1'),
     (dict(host_blocks=-1), r'offload.host_blocks=-1 is not allowed'),
     (dict(instead_of_preempting=1), r'offload.instead_of_preempting=1 is not allowed'),
+    (dict(placement='nvme'), r"offload.placement='nvme' is not allowed: 'host' or 'disk'"),
+    (dict(disk_blocks=4), r"offload.disk_kvstore='' is not allowed: a directory or"),
+    (dict(placement='disk'), r"offload.placement='disk' is not allowed: 'host' when "
+                             r'offload.disk_blocks is 0'),
 ])
 def test_bad_offload_config_is_refused(changes, message):
   cfg = tiny('gqa')[0]

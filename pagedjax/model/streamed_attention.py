@@ -230,7 +230,8 @@ class StreamedAttention:
   set of calls, padded to a row bucket (`row_buckets`, the engine's powers of two up to
   max_batch_size), so two long requests decoding together cost one call per layer and chunk,
   not two. Compiled shapes: 5 programs per (token bucket, row bucket) met, each counted
-  (device/traces.py). `counters`: batches run, their padding rows, and fold calls."""
+  (device/traces.py). `counters`: batches run (and of how many real rows), their padding
+  rows, and fold calls."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
                chunk_blocks: int, token_buckets, row_buckets=(1,)):
@@ -310,6 +311,7 @@ class StreamedAttention:
                          self.block_size)
     step_positions = [jax.device_put(positions) for _, positions in steps]
     self.counters['batches'] += 1
+    self.counters[f'batches_of_{len(rows)}_rows'] += 1
     self.counters['padding_rows'] += num_rows - len(rows)
     self.counters['fold_calls'] += cfg.num_layers * len(steps)
     layers, stacked = self.layers(params)
