@@ -31,7 +31,7 @@ import numpy as np
 
 from pagedjax import kernels
 import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
-from experiments import cli
+from experiments import cli, plots
 from pagedjax.studies import run_info
 from pagedjax.config import ConfigError
 
@@ -290,36 +290,45 @@ def study(config, workdir):
   return summary
 
 
+def _shape_label(key: str) -> str:
+  """'ctx1024_float32' -> '1024 tokens\nfloat32' (two short lines, so that labels never meet)."""
+  context, dtype = key.split('_', 1)
+  return f'{context[len("ctx"):]} tokens\n{dtype}'
+
+
 def plot(path, figures):
   """Per shape: each variant's time (left) and its K/V read bandwidth next to the copy and read
-  bandwidth of the same rounds (right)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  bandwidth of the same rounds (right). One legend under both panels names every bar and line."""
+  plt = plots.pyplot()
   keys = list(figures)
   variants = list(dict.fromkeys(v for f in figures.values() for v in f['ms']))
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(keys) + 4), 4.2))
   width = 0.8 / len(variants)
   for i, name in enumerate(variants):
     at = [k + (i - (len(variants) - 1) / 2) * width for k in range(len(keys))]
     axes[0].bar(at, [figures[k]['ms'].get(name, np.nan) for k in keys], width, label=name)
-    axes[1].bar(at, [figures[k]['kv_gbs'].get(name, np.nan) for k in keys], width, label=name)
+    axes[1].bar(at, [figures[k]['kv_gbs'].get(name, np.nan) for k in keys], width)
   for k, key in enumerate(keys):
-    for what, style in (('copy_gbs', '-'), ('read_gbs', ':')):
+    for what, style, words in (('copy_gbs', '-', 'memory copy bandwidth (same rounds)'),
+                               ('read_gbs', ':', 'memory read bandwidth (same rounds)')):
       axes[1].hlines(figures[key][what], k - 0.45, k + 0.45, colors='k', linestyles=style,
-                     label=what.replace('_gbs', ' bandwidth') if k == 0 else None)
-  axes[0].set_yscale('log')
-  axes[0].set_ylabel('ms per call (median)')
-  axes[1].set_ylabel('K/V read GB/s')
+                     label=words if k == 0 else None)
+  plots.log_y(axes[0], [t for f in figures.values() for t in f['ms'].values()])
+  axes[0].set_ylabel('time per call, median over rounds (ms)')
+  axes[1].set_ylim(bottom=0)
+  axes[1].set_ylabel('K/V bytes read per second (GB/s)')
   for ax in axes:
-    ax.set_xticks(range(len(keys)), keys)
-  axes[1].legend(fontsize=7)
-  axes[0].set_title('decode attention time')
-  axes[1].set_title('K/V bandwidth vs memory (same rounds)')
+    ax.set_xticks(range(len(keys)), [_shape_label(k) for k in keys])
+    ax.set_xlabel('context and pool dtype')
+    ax.set_xlim(-0.6, len(keys) - 0.4)
+  axes[0].set_title('Decode attention: time per call')
+  axes[1].set_title('K/V read bandwidth against the machine\'s')
+  handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
+  labels = [t for ax in axes for t in ax.get_legend_handles_labels()[1]]
+  fig.legend(handles, labels, loc='upper center', bbox_to_anchor=(0.5, 0.0),
+             ncol=min(7, len(labels)), fontsize=8, frameon=False)
   fig.tight_layout()
-  with run_info.atomic_write(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=110)
-  plt.close(fig)
+  plots.save(fig, path)
 
 
 def _has_jax_triton():

@@ -7,7 +7,9 @@
 Runs the prompts twice on the same engine: the first pass compiles every bucketed step shape,
 the second is timed for tokens_per_second (and must not compile again). Prints each completion
 and a table of figures; writes WORKDIR/summary.json (figures, completions, config, versions,
-git state, machine load), results.csv (the figures, one column each) and completions.csv.
+git state, machine load), results.csv (the figures, one column each), completions.csv and
+decode.png (the timed pass: each request's wait, prefill and decode on the engine clock, and the
+KV pool's slots over the same clock).
 --profile_dir traces the second pass and prints where the trace is and the command that opens
 it (xprof: `pip install -r requirements-profile.txt`).
 
@@ -30,8 +32,9 @@ import time
 
 from absl import flags
 import jax
+import numpy as np
 
-from experiments import cli
+from experiments import cli, plots
 from pagedjax import factory, sizing
 from pagedjax.studies import run_info
 from pagedjax.config import Config, ConfigError
@@ -88,6 +91,54 @@ def mesh_summary(engine, model_cfg, tp: int) -> dict:
       'kv_capacity_tokens': (engine.pool.num_blocks - 1) * engine.pool.block_size,
       'kv_sizing_per_device': sized,
   }
+
+
+def plot_pass(path: str, completions, timeline: dict, title: str) -> None:
+  """The timed pass on the engine clock (compilation excluded), from its first arrival: left,
+  one row per request from arrival to first token (waiting and prefill: TTFT) and on to its last
+  token (decode: TPOT per token); right, the KV pool's slots per iteration, those holding token
+  states and all those held by running sequences (the pool's capacity in the title)."""
+  plt = plots.pyplot()
+  start = min(c.arrival_time for c in completions)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.35 * len(completions) + 3.2),
+                                    gridspec_kw={'width_ratios': [1.3, 1]})
+  for row, c in enumerate(completions):
+    first = c.first_token_time if c.first_token_time is not None else c.finish_time
+    left.barh(row, first - c.arrival_time, left=c.arrival_time - start, color='tab:orange',
+              label='arrival to first token (TTFT)' if row == 0 else None)
+    left.barh(row, c.finish_time - first, left=first - start, color='tab:blue',
+              label='decode' if row == 0 else None)
+    decoded = len(c.output_ids) - 1
+    tpot = f', TPOT {1e3 * (c.finish_time - first) / decoded:.1f} ms' if decoded > 0 else ''
+    left.text(c.finish_time - start, row, f'  TTFT {1e3 * (first - c.arrival_time):.0f} ms{tpot}',
+              va='center', fontsize=7)
+  left.set_yticks(range(len(completions)),
+                  [f'request {c.request_id} ({len(c.prompt_ids)}+{len(c.output_ids)} tokens)'
+                   for c in completions], fontsize=8)
+  left.invert_yaxis()
+  end = max(c.finish_time for c in completions) - start
+  left.set_xlim(0, 1.45 * end)  # room for the TTFT / TPOT labels right of each bar
+  left.set_xlabel('engine time since the first arrival (s)')
+  left.set_title('Requests: waiting + prefill, then decode')
+  plots.legend_below(left, ncol=2)
+  t = np.asarray(timeline['t'])
+  timed = t > start  # samples are taken after each iteration: the pass's first is past start
+  held = sum(np.asarray(timeline[k]) for k in ('token_states', 'internal_fragmentation',
+                                                'reservation'))
+  capacity = held[0] + timeline['free_unusable'][0] + timeline['free_idle'][0] + timeline[
+      'pinned'][0]
+  right.step(t[timed] - start, held[timed], where='post', label='slots held by running sequences')
+  right.step(t[timed] - start, np.asarray(timeline['token_states'])[timed], where='post',
+             label='slots holding token states')
+  right.set_ylim(0, 1.15 * max(held[timed].max(), 1))
+  right.set_xlim(left=0)
+  right.set_xlabel('engine time since the first arrival (s)')
+  right.set_ylabel('KV slots (tokens)')
+  right.set_title(f'KV pool per iteration (capacity {capacity:,} slots)')
+  plots.legend_below(right, ncol=2)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  plots.save(fig, path)
 
 
 def check_prompts(engine, prompts, sampling) -> None:
@@ -190,7 +241,10 @@ def main(argv):
     figures = {k: v for k, v in summary.items() if k not in ('config', 'outputs')}
     run_info.write_csv(os.path.join(workdir, 'results.csv'), [figures])
     run_info.write_csv(os.path.join(workdir, 'completions.csv'), summary['outputs'])
-    print(f'\nwrote {path}, results.csv, completions.csv')
+    plot_pass(os.path.join(workdir, 'decode.png'), completions, engine.metrics.timeline(),
+              f'Main job, timed pass: {config.model.source} model, {len(completions)} prompts, '
+              f'{generated / seconds:.1f} tokens/s{cli.variant_note(config)}')
+    print(f'\nwrote {path}, results.csv, completions.csv, decode.png')
 
 
 if __name__ == '__main__':

@@ -135,6 +135,8 @@ def _log_scale(ax, axis: str, values) -> bool:
     return False
   getattr(ax, f'set_{axis}scale')('log')
   target = getattr(ax, f'{axis}axis')
+  if max(values) / min(values) < 1000:  # few decades: label 1, 2 and 5 of each, not 1 alone
+    target.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
   target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:.4g}'))
   target.set_minor_formatter(ticker.NullFormatter())
   return True

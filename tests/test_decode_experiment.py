@@ -40,6 +40,7 @@ def test_decode_tiny_writes_summary(tmp_path):
   assert float(figures['tokens_per_second']) == pytest.approx(summary['tokens_per_second'])
   with open(tmp_path / 'completions.csv') as f:  # one row per completion
     assert [r['prompt'] for r in csv.DictReader(f)] == list(default.PROMPTS)
+  assert (tmp_path / 'decode.png').read_bytes()[:4] == b'\x89PNG' and 'decode.png' in run.stdout
 
 
 # Each refusal is one line on stderr, before anything loads (no jax backend log line either):
