@@ -14,13 +14,19 @@ config.lab:
   design        the prefix cache design replayed: hash (chain over full blocks) or radix
   rows          experiments/policy_lab.ROWS names, or 'package.module:Class' eviction policies
   tune          row -> values of its parameter (policy_lab.TUNABLE), chosen on the first half
+                (rows in policy_lab.FITTED also fit their return model on the first half)
+  tiers         tier arrangements through the real tier code (host/tiers/kv_tiers.py):
+                arrangements: name -> [host, disk] capacity as multiples of the device's (0: no
+                such tier); capacities: device capacities in tokens ([]: no tier study); rows:
+                the device cache's policies (online); eviction: the lower tiers' policy
 `:tiny` is a seconds-long smoke run of the same pipeline on the first 300 requests.
 """
 import ml_collections
 
 TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
 ROWS = ['lru', 'lfu', 'session_lru', 'session_lfu', 'leaves_first', 'gdsf', 's3fifo',
-        'session_recency', 'hit_density', 'reuse_oracle', 'belady']
+        'session_recency', 'hit_density', 'arc', 'lrfu', 'return_predictor', 'reuse_distance',
+        'reuse_oracle', 'belady']
 
 
 def get_config(arg=None):
@@ -33,11 +39,17 @@ def get_config(arg=None):
       tune={'session_recency': [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
             's3fifo': [0.05, 0.1, 0.2, 0.4],
             'gdsf': [0.0, 0.02, 0.1, 0.5],
-            'hit_density': [2.0, 8.0, 32.0]}))
+            'hit_density': [2.0, 8.0, 32.0],
+            'lrfu': [0.5, 1.0, 2.0],
+            'return_predictor': [1.0, 2.0, 4.0]},
+      tiers=ml_collections.ConfigDict(dict(
+          arrangements={'device': [0, 0], 'device_host': [4, 0], 'device_host_disk': [4, 32]},
+          capacities=[3e5, 1e6, 3e6], rows=['lru'], eviction='lru'))))
   if arg == 'tiny':
     config.variant = 'tiny'
     config.lab.update(dict(limit=300, capacities=[1e5, 3e5, 1e6], gap_capacity=3e5,
                            tune={'session_recency': [0.0, 1.0], 's3fifo': [0.1]}))
+    config.lab.tiers.capacities = [1e5, 3e5]
   elif arg is not None:
     raise ValueError(f'configs/policy_lab.py:{arg}: unknown variant; use :tiny or nothing')
   return config

@@ -46,16 +46,25 @@ Host time is this process's wall time around the replay of each point; on a shar
 a figure under load (summary.json records the load average).
 """
 import bisect
+import itertools
 import math
 import os
 import time
+
+import numpy as np
+import tensorstore as ts
 
 from experiments import cli
 from pagedjax import config as config_lib
 from pagedjax.studies import run_info
 from pagedjax.studies import workloads
 from pagedjax.host import policies
+from pagedjax.host import predictive_policies
+from pagedjax.studies import return_model
 from pagedjax.host.scheduling.allocator import BlockAllocator
+from pagedjax.host.tiers import disk_store as disk_store_lib
+from pagedjax.host.tiers.disk_store import DiskStore
+from pagedjax.host.tiers.kv_tiers import BlockLayout, KVTiers
 from pagedjax.host.scheduling.block_manager import BlockManager
 from pagedjax.host.cache.prefix_cache import PrefixCache, chain_keys
 from pagedjax.host.cache.radix_cache import RadixCache
@@ -76,19 +85,30 @@ ROWS = {
     's3fifo': ('s3fifo', False),
     'session_recency': ('session_recency', True),
     'hit_density': ('hit_density', True),
+    'arc': ('arc', False),
+    'lrfu': ('lrfu', False),
+    'return_predictor': ('pagedjax.host.predictive_policies:ReturnPredictor', True),
+    'reuse_distance': ('pagedjax.host.predictive_policies:LearnedReuseDistance', True),
     'reuse_oracle': ('reuse_oracle', False),
     'belady': ('belady', False),
 }
 OFFLINE = ('reuse_oracle', 'belady')
 REFERENCE, OPTIMUM = 'lru', 'belady'
-# Tunable policies: (row, attribute, values). session_recency's bonus is given in cache
-# capacities (multiplied by the capacity in blocks), so one value means the same at any size.
+# Tunable policies: row -> the attribute its values set. An attribute named '..._capacities'
+# is given in cache capacities: the policy's attribute without the suffix is set to the value
+# times the capacity in blocks, so one value means the same at any size.
 TUNABLE = {
     'session_recency': 'turn_bonus_capacities',
     's3fifo': 'small_share',
     'gdsf': 'attention_weight',
     'hit_density': 'prior_weight',
+    'lrfu': 'half_life_capacities',
+    'return_predictor': 'horizon_capacities',
 }
+# Rows whose return model (host/predictive_policies.py) is fitted on the first half of the
+# requests (studies/return_model.py), from a Recorder's replay of it with an infinite cache.
+FITTED = ('return_predictor', 'reuse_distance')
+FIT = 'return_model'  # the key of the fitted weights in a replay's params
 CURVE_COLUMNS = ('row', 'capacity_tokens', 'hit_rate', 'regret', 'gap_closed', 'hit_tokens',
                  'prompt_tokens', 'evictions', 'host_s', 'host_us_per_request')
 
@@ -187,10 +207,18 @@ class Replay:
       seq = Sequence(self.position, prompt, SamplingParams(max_new_tokens=1,
                                                            session_id=session))
       self.blocks.allocate_waiting(seq)
+      self.after_admission()
       seq.num_cached = min(record.full_blocks, len(prompt))  # the full blocks are computed
       self.blocks.offer_full_blocks(seq)
       self.blocks.end_turn(seq, float(self.position))
       self.blocks.deallocate(seq)
+      self.after_request()
+
+  def after_admission(self) -> None:
+    """A hook (TierReplay moves blocks between tiers here)."""
+
+  def after_request(self) -> None:
+    """A hook (TierReplay ends its iteration here)."""
 
 
 def make_queue(row: str, capacity_blocks: int, records, params: dict
@@ -199,20 +227,28 @@ def make_queue(row: str, capacity_blocks: int, records, params: dict
   (params: row -> value); the oracle is given the future of `records`."""
   spec = ROWS[row][0] if row in ROWS else row
   queue = policies.EVICTION.get(spec)()
+  if row in FITTED and FIT in params:  # else the class's prior (predictive_policies.py)
+    queue.weights = tuple(params[FIT]['weights'])
+    queue.delay_weights = tuple(params[FIT]['delay_weights'])
   if row in params:
     attribute, value = TUNABLE[row], params[row]
-    if attribute == 'turn_bonus_capacities':
-      queue.turn_bonus = value * capacity_blocks
+    if attribute.endswith('_capacities'):
+      setattr(queue, attribute[:-len('_capacities')], value * capacity_blocks)
     else:
       setattr(queue, attribute, value)
   return queue
 
 
+def _infinite_blocks(records) -> int:
+  """A pool with room for every block ever cached, and the longest prompt."""
+  longest = max((len(prompt_of(r)) for r in records), default=1)
+  return sum(r.full_blocks for r in records) + longest + 1
+
+
 def replay(row: str, records, capacity_tokens: float, params: dict, design: str) -> dict:
   """Hit figures of one row at one capacity over records (infinite: math.inf)."""
-  longest = max((len(prompt_of(r)) for r in records), default=1)
-  if math.isinf(capacity_tokens):  # room for every block ever cached, and the longest prompt
-    blocks = sum(r.full_blocks for r in records) + longest + 1
+  if math.isinf(capacity_tokens):
+    blocks = _infinite_blocks(records)
   else:
     blocks = max(2, int(capacity_tokens // BLOCK))
   queue = make_queue(row, blocks, records, params)
@@ -229,6 +265,147 @@ def replay(row: str, records, capacity_tokens: float, params: dict, design: str)
           'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0.0,
           'evictions': run.cache.evictions, 'host_s': host_s,
           'host_us_per_request': 1e6 * host_s / max(len(records), 1)}
+
+
+# ---- tier arrangements -----------------------------------------------------------------------
+# The same replay with host-RAM (tier 2) and disk (tier 3) tiers under the device cache, through
+# the real tier code (host/tiers/kv_tiers.py): write-back demotion of what the device evicts,
+# tier 2 demoting to tier 3, promotion of every block found below (promotion='load'), inclusive
+# tiers, each with its own LRU order. The executor's part is played here: after each admission,
+# one "gather" stores the blocks demoted since the last one (their bytes: one zero byte per
+# block, the replay moves no K/V), then the promoted blocks are loaded (disk reads issued and
+# waited for, as the executor's scatter does); disk writes are waited for before the next
+# request (in an engine, a request's many decode iterations give them the time).
+TIER_NAMES = {1: 'device', 2: 'host', 3: 'disk'}
+TIER_COLUMNS = ('arrangement', 'row', 'capacity_tokens', 'device_tokens', 'host_tokens',
+                'disk_tokens', 'hit_rate', 'device_hit_rate', 'host_hit_rate', 'disk_hit_rate',
+                'lower_tier_share_of_hits', 'demoted_blocks', 'promoted_blocks', 'host_s',
+                'host_us_per_request')
+_LAYOUT = BlockLayout({'kv': ((1, 1, 1), 'uint8')})  # one byte per block: bookkeeping only
+_stores = itertools.count()
+
+
+class TierReplay(Replay):
+  """Replay with lower tiers of host_blocks and disk_blocks (0: none) under the device cache;
+  the disk tier is a tensorstore 'memory://' store, deleted by close()."""
+
+  def __init__(self, capacity_blocks: int, queue, sessions: bool, design: str,
+               host_blocks: int, disk_blocks: int, eviction: str = 'lru'):
+    super().__init__(capacity_blocks, queue, sessions, design)
+    self.url = None
+    disk = None
+    if disk_blocks:
+      self.url = f'memory://policy_lab_{os.getpid()}_{next(_stores)}/'
+      disk = DiskStore(self.url, disk_blocks, _LAYOUT.nbytes, b'policy-lab-trace', eviction)
+    self.tiers = KVTiers(_LAYOUT, 1, host_blocks=host_blocks, disk=disk, eviction=eviction,
+                         promotion='load').attach(self.cache)
+
+  def _move_blocks(self) -> None:
+    """The executor's block movement after an admission (executor._move_blocks)."""
+    demoted = self.tiers.take_demotions()
+    if demoted:
+      self.tiers.store_demotions(demoted, {'kv': np.zeros((1, len(demoted), 1), np.uint8)})
+    self.tiers.take_copies()  # device-to-device copies of blocks evicted now: nothing to move
+    promoted = self.tiers.take_promotions()
+    if promoted:
+      self.tiers.load(promoted)
+
+  def after_admission(self) -> None:
+    self._move_blocks()
+
+  def after_request(self) -> None:
+    self.tiers.flush()
+    self.tiers.end_iteration()
+
+  def close(self) -> None:
+    if self.url is not None:  # the memory store lives as long as the process: free it now
+      store = ts.KvStore.open(self.url, context=disk_store_lib._CONTEXT).result()  # pylint: disable=protected-access
+      store.delete_range(ts.KvStore.KeyRange()).result()
+
+
+def arrangement_sizes(config, capacity_tokens: float) -> dict:
+  """Tokens per tier of each arrangement at this device capacity (lab.tiers.arrangements:
+  name -> multiples of the device capacity for host and disk)."""
+  return {name: {'device_tokens': capacity_tokens, 'host_tokens': capacity_tokens * m[0],
+                 'disk_tokens': capacity_tokens * m[1]}
+          for name, m in config.lab.tiers.arrangements.items()}
+
+
+def tier_replay(row: str, records, sizes: dict, params: dict, design: str,
+                eviction: str = 'lru') -> dict:
+  """Hit figures by tier of one row (the device cache's policy) over one arrangement."""
+  blocks = {k: int(v // BLOCK) for k, v in sizes.items()}
+  device = max(2, blocks['device_tokens'])
+  queue = make_queue(row, device, records, params)
+  if getattr(queue, 'offline', False):
+    raise ValueError(f'tier rows are online policies; {row!r} is an oracle')
+  sessions = ROWS[row][1] if row in ROWS else True
+  run = TierReplay(device, queue, sessions, design, blocks['host_tokens'],
+                   blocks['disk_tokens'], eviction)
+  start = time.perf_counter()
+  try:
+    run.serve(records)
+  finally:
+    host_s = time.perf_counter() - start
+    run.close()
+  prompt = sum(r.input_length for r in records)
+  f = run.tiers.figures()
+  hit = {t: f[f'tiers_tier{t}_hit_blocks'] * BLOCK / prompt for t in (1, 2, 3)}
+  total = sum(hit.values())
+  return {'row': row, 'capacity_tokens': sizes['device_tokens'], **sizes,
+          'hit_rate': total, 'device_hit_rate': hit[1], 'host_hit_rate': hit[2],
+          'disk_hit_rate': hit[3],
+          'lower_tier_share_of_hits': (hit[2] + hit[3]) / total if total else 0.0,
+          'demoted_blocks': f['tiers_tier2_demoted_blocks'] + f['tiers_tier3_demoted_blocks'],
+          'promoted_blocks': f['tiers_promoted_blocks'], 'host_s': host_s,
+          'host_us_per_request': 1e6 * host_s / max(len(records), 1)}
+
+
+def tier_study(config, records, params: dict) -> list:
+  """Every (arrangement, row, capacity) of lab.tiers; an arrangement without lower tiers is the
+  device-only replay."""
+  t = config.lab.tiers
+  points = [(name, row, sizes) for cap in t.capacities
+            for name, sizes in arrangement_sizes(config, cap).items() for row in t.rows]
+  out = []
+  for name, row, sizes in cli.progress(points, desc='tier arrangements', unit='point'):
+    out.append({'arrangement': name,
+                **tier_replay(row, records, sizes, params, config.lab.design, t.eviction)})
+  return out
+
+
+def plot_tiers(config, points: list, workdir: str) -> None:
+  """tiers.png: per arrangement, hit rate by tier (stacked) against device capacity."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  names = list(config.lab.tiers.arrangements)
+  rows = list(config.lab.tiers.rows)
+  fig, axes = plt.subplots(len(rows), len(names), figsize=(4.2 * len(names), 3.6 * len(rows)),
+                           squeeze=False, sharey=True)
+  for i, row in enumerate(rows):
+    for j, name in enumerate(names):
+      ax = axes[i][j]
+      pts = sorted((p for p in points if p['arrangement'] == name and p['row'] == row),
+                   key=lambda p: p['capacity_tokens'])
+      xs = [p['capacity_tokens'] for p in pts]
+      stack = [[p[f'{t}_hit_rate'] for p in pts] for t in ('device', 'host', 'disk')]
+      ax.stackplot(xs, *stack, labels=('device', 'host RAM', 'disk'), alpha=0.8)
+      ax.plot(xs, [p['hit_rate'] for p in pts], color='black', marker='o', markersize=3,
+              label='all tiers')
+      m = config.lab.tiers.arrangements[name]
+      ax.set_title(f'{name}: host {m[0]:g}x, disk {m[1]:g}x the device\n'
+                   f'device policy {row}, lower tiers {config.lab.tiers.eviction}', fontsize=9)
+      ax.set_xscale('log')
+      ax.set_xlabel('device cache capacity (tokens, log scale)')
+      ax.set_ylabel('hit rate (prompt tokens served / prompt tokens)')
+      ax.grid(True, which='both', alpha=0.3)
+      ax.legend(fontsize=7, loc='upper left')
+  fig.suptitle('Hit rate by tier, Mooncake conversation trace' + cli.variant_note(config),
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'tiers.png'), dpi=120)
+  plt.close(fig)
 
 
 # ---- the study -------------------------------------------------------------------------------
@@ -263,6 +440,21 @@ def check(config) -> None:
         policies.EVICTION.get(row)
       except policies.PolicyError as e:
         fail('rows', row, f'one of {tuple(ROWS)} or an eviction policy: {e}')
+  t = lab.tiers
+  tcaps = list(t.capacities)
+  if any(not isinstance(c, (int, float)) or not BLOCK * 2 <= c < math.inf for c in tcaps):
+    fail('tiers.capacities', tcaps, f'device token counts >= {2 * BLOCK} ([]: no tier study)')
+  for name, multiples in t.arrangements.items():
+    m = list(multiples)
+    if len(m) != 2 or any(not isinstance(v, (int, float)) or v < 0 for v in m):
+      fail(f'tiers.arrangements.{name}', m, '[host, disk]: capacities as multiples >= 0 of the '
+           "device's (0: no such tier)")
+  for row in t.rows:
+    if row not in ROWS or row in OFFLINE:
+      fail('tiers.rows', row, f'online rows of ROWS: {tuple(r for r in ROWS if r not in OFFLINE)}')
+  if t.eviction not in policies.EVICTION or getattr(policies.EVICTION.get(t.eviction),
+                                                    'offline', False):
+    fail('tiers.eviction', t.eviction, f'an online registered policy: {policies.EVICTION.names()}')
   for row, values in lab.tune.items():
     if row not in TUNABLE or row not in rows:
       fail('tune', row, f'a tunable row of lab.rows: one of {tuple(TUNABLE)}')
@@ -270,26 +462,51 @@ def check(config) -> None:
       fail(f'tune.{row}', list(values), f'numbers >= 0 (values of {TUNABLE[row]})')
 
 
-def tune(config, records) -> tuple:
-  """(chosen value per tuned row, tuning rows, per-row check on the second half)."""
+def fit_return_model(records) -> dict:
+  """The predictive rows' return model, fitted on `records` (the first half): a Recorder
+  replays them through an infinite cache with sessions and notes, per block released, its
+  features and whether it is read again (return_model.py fits the weights)."""
+  recorder = predictive_policies.Recorder()
+  Replay(_infinite_blocks(records), recorder, True).serve(records)
+  return return_model.fit(recorder.releases)
+
+
+def evaluate_return_model(records, model: dict) -> dict:
+  """The fitted model's AUC and calibration on other requests (the second half)."""
+  recorder = predictive_policies.Recorder()
+  Replay(_infinite_blocks(records), recorder, True).serve(records)
+  return return_model.evaluate(recorder.releases, model['weights'])
+
+
+def tune(config, records, base: dict) -> tuple:
+  """(chosen value per tuned row, tuning rows, per-row check on the second half). base: params
+  every replay gets (the fitted return model). A fitted row without values to tune is checked
+  the same way: its gain over LRU on the first half (where it was fitted) and the second."""
   lab, half = config.lab, len(records) // 2
   first, second = records[:half], records[half:]
   cap = lab.gap_capacity
-  base = {name: replay(REFERENCE, part, cap, {}, lab.design)['hit_rate']
-          for name, part in (('first', first), ('second', second))}
+  base_hits = {name: replay(REFERENCE, part, cap, {}, lab.design)['hit_rate']
+               for name, part in (('first', first), ('second', second))}
   chosen, table, checks = {}, [], {}
-  for row, values in lab.tune.items():
+  candidates = dict(lab.tune)
+  for row in FITTED:
+    if row in lab.rows and row not in candidates:
+      candidates[row] = [None]  # nothing to tune: the fit alone
+  for row, values in candidates.items():
     results = []
     for value in values:
-      hits = {name: replay(row, part, cap, {row: value}, lab.design)['hit_rate']
+      params = dict(base, **({row: value} if value is not None else {}))
+      hits = {name: replay(row, part, cap, params, lab.design)['hit_rate']
               for name, part in (('first', first), ('second', second))}
       results.append((value, hits))
-      table.append({'row': row, 'parameter': TUNABLE[row], 'value': value,
+      table.append({'row': row, 'parameter': TUNABLE.get(row, 'fit only'), 'value': value,
                     'hit_rate_first_half': hits['first'], 'hit_rate_second_half': hits['second'],
-                    'lru_first_half': base['first'], 'lru_second_half': base['second']})
+                    'lru_first_half': base_hits['first'], 'lru_second_half': base_hits['second']})
     value, hits = max(results, key=lambda vh: vh[1]['first'])
-    chosen[row] = value
-    gain_first, gain_second = hits['first'] - base['first'], hits['second'] - base['second']
+    if value is not None:
+      chosen[row] = value
+    gain_first = hits['first'] - base_hits['first']
+    gain_second = hits['second'] - base_hits['second']
     checks[row] = {'value': value, 'gain_first_half': gain_first,
                    'gain_second_half': gain_second,
                    'kept_share': gain_second / gain_first if gain_first > 0 else None,
@@ -327,8 +544,10 @@ def goals(config, curves: list, checks: dict) -> dict:
   return out
 
 
-def write_tables(config, curves: list, workdir: str) -> None:
+def write_tables(config, curves: list, workdir: str, tiers: list = ()) -> None:
   run_info.write_csv(os.path.join(workdir, 'curves.csv'), curves, CURVE_COLUMNS)
+  if tiers:
+    run_info.write_csv(os.path.join(workdir, 'tiers.csv'), tiers, TIER_COLUMNS)
   caps = sorted({c['capacity_tokens'] for c in curves})
   by = {(c['row'], c['capacity_tokens']): c for c in curves}
   rows = []
@@ -342,6 +561,11 @@ def write_tables(config, curves: list, workdir: str) -> None:
   text = (f'Hit rate (prompt tokens served from cache / prompt tokens) by cache capacity '
           f'(tokens); gap_closed: share of LRU\'s gap to the optimum closed at '
           f'{config.lab.gap_capacity:.0e} tokens.\n\n' + run_info.markdown_table(rows, columns))
+  if tiers:
+    columns = ('arrangement', 'row', 'device_tokens', 'host_tokens', 'disk_tokens', 'hit_rate',
+               'device_hit_rate', 'host_hit_rate', 'disk_hit_rate')
+    text += ('\n\nTier arrangements (hit rate by the tier that served the block; sizes in '
+             'tokens):\n\n' + run_info.markdown_table(tiers, columns))
   cli.write_table(workdir, text, echo=False)
 
 
@@ -413,25 +637,37 @@ def study(config, workdir: str) -> dict:
              'relative_difference': abs(replayed['hit_rate'] - counted['hit_rate']) /
                                     counted['hit_rate'] if counted['hit_rate'] else 0.0}
   cli.say(f"ceiling: counted {counted['hit_rate']:.4f}, replayed {replayed['hit_rate']:.4f}")
-  chosen, tuning, checks = tune(config, records) if lab.tune else ({}, [], {})
+  half = len(records) // 2
+  base, model = {}, None
+  if any(row in FITTED for row in lab.rows):
+    model = fit_return_model(records[:half])
+    model['held_out'] = evaluate_return_model(records[half:], model)
+    base[FIT] = model
+    cli.say(f"return model: AUC {model['auc']:.3f} on the first half (fitted), "
+            f"{model['held_out']['auc']:.3f} on the second")
+  tuned = lab.tune or any(row in FITTED for row in lab.rows)
+  chosen, tuning, checks = tune(config, records, base) if tuned else ({}, [], {})
   if tuning:
     run_info.write_csv(os.path.join(workdir, 'tuning.csv'), tuning)
     for row, c in checks.items():
-      cli.say(f"tuned {row}: {TUNABLE[row]}={c['value']} gain first half "
+      cli.say(f"tuned {row}: {TUNABLE.get(row, 'fit only')}={c['value']} gain first half "
               f"{c['gain_first_half']:+.4f}, second half {c['gain_second_half']:+.4f}")
   curves = []
   points = [(row, cap) for row in lab.rows for cap in lab.capacities]
+  params = dict(base, **chosen)
   for row, cap in cli.progress(points, desc='policy lab', unit='point'):
-    curves.append(replay(row, records, cap, chosen, lab.design))
+    curves.append(replay(row, records, cap, params, lab.design))
   add_comparisons(curves)
+  tiers = tier_study(config, records, params) if lab.tiers.capacities else []
   for row in lab.rows:
     line = ' '.join(f"{c['hit_rate']:.3f}" for c in curves if c['row'] == row)
     cli.say(f'  {row:16s} {line}')
-  write_tables(config, curves, workdir)
+  write_tables(config, curves, workdir, tiers)
   wall_s = time.perf_counter() - start
-  requests_replayed = len(records) * (len(points) + 1)
+  requests_replayed = len(records) * (len(points) + len(tiers) + 1)
   summary = {
       'curves': curves, 'ceiling': ceiling, 'tuned': chosen, 'tuning': tuning,
+      'return_model': model, 'tiers': tiers,
       'tuning_checks': checks, 'goals': goals(config, curves, checks),
       'continuation_by_turn': continuation(records),
       'requests': len(records), 'prompt_tokens': counted['prompt_tokens'],
@@ -442,6 +678,8 @@ def study(config, workdir: str) -> dict:
       **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   plot(config, curves, ceiling['replayed'], workdir)
+  if tiers:
+    plot_tiers(config, tiers, workdir)
   met = [row for row, g in summary['goals'].items() if g['met']]
   print(f'{len(records)} requests, {len(curves)} points in {wall_s:.1f} s '
         f"({summary['host_us_per_request']:.0f} us host time per request); goal met by: "

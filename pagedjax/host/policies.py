@@ -771,6 +771,139 @@ class HitDensity(EvictionQueue):
   def __len__(self) -> int:
     return len(self._entry) + len(self._parked)
 
+
+class LRFU(HeapQueue):
+  """LRFU (Lee et al., IEEE ToC 2001): between LRU and LFU by one decay. Each key keeps a
+  combined recency-frequency value CRF = sum over its references (its admission and its hits)
+  of 2 ** (-(now - t_ref) / half_life); the smallest goes first. Since every CRF decays at the
+  same rate, log2 CRF(now) + now / half_life does not change with now, so it is the priority,
+  fixed at the key's last reference. half_life -> 0 is LRU, -> infinity LFU. Ticks count block
+  releases (the study sets half_life in cache capacities). Sessions are ignored: a block's
+  references are its own."""
+
+  half_life = 4096.0
+
+  def __init__(self):
+    super().__init__()
+    self._score: Dict[Hashable, float] = {}  # key -> log2 CRF(t) + t / half_life
+    self._now = -1
+
+  def tick(self) -> int:
+    self._now = super().tick()
+    return self._now
+
+  def _reference(self, key) -> None:
+    t = self._now / self.half_life
+    old = self._score.get(key)
+    # log2(2**old + 2**t), computed without overflow: the new reference adds 2**0 at time t
+    self._score[key] = t if old is None else max(old, t) + math.log2(1 + 2 ** -abs(old - t))
+
+  def add(self, key, depth=0, chain_key=None):
+    super().add(key, depth, chain_key)
+    self._reference(key)
+
+  def hit(self, key):
+    super().hit(key)
+    self._reference(key)
+
+  def remove(self, key):
+    super().remove(key)
+    self._score.pop(key, None)
+
+  def priority(self, key, tick, session):
+    return (self._score[key], tick)
+
+
+class ARC(EvictionQueue):
+  """ARC (Megiddo and Modha, FAST 2003): two LRU lists, T1 for entries used once since they were
+  cached and T2 for entries used again (a hit), and two ghost lists B1, B2 of the chain keys
+  recently evicted from each. The target size p of T1 adapts: content cached again while its
+  key is a B1 ghost says T1 was too small (p grows by max(1, |B2| / |B1|)); in B2, that T2 was
+  (p shrinks). The victim is T1's least recently released idle entry while T1 holds more than p
+  entries (idle or in use), else T2's. Content cached again from a ghost goes to T2. Ghosts are
+  bounded by the cache's entries (each list, at most). Sessions are ignored."""
+
+  def __init__(self):
+    super().__init__()
+    self.p = 0.0
+    self._t1: Dict[Hashable, None] = {}  # idle keys of T1, least recently released first
+    self._t2: Dict[Hashable, None] = {}
+    self._in_t2: set = set()  # admitted keys that belong to T2 (idle or in use)
+    self._chain: Dict[Hashable, object] = {}
+    self._b1: Dict[object, None] = {}
+    self._b2: Dict[object, None] = {}
+    self._parked: set = set()
+    self._entries = 0
+
+  def add(self, key, depth=0, chain_key=None):
+    name = key if chain_key is None else chain_key
+    self._chain[key] = name
+    self._entries += 1
+    if name in self._b1:
+      self.p = min(self.p + max(1.0, len(self._b2) / len(self._b1)), self._entries)
+      del self._b1[name]
+      self._in_t2.add(key)
+    elif name in self._b2:
+      self.p = max(self.p - max(1.0, len(self._b1) / len(self._b2)), 0.0)
+      del self._b2[name]
+      self._in_t2.add(key)
+
+  def hit(self, key):
+    self._in_t2.add(key)
+
+  def push(self, key, session=None):
+    self.discard(key)
+    (self._t2 if key in self._in_t2 else self._t1)[key] = None
+
+  def discard(self, key) -> bool:
+    was = key in self
+    self._t1.pop(key, None)
+    self._t2.pop(key, None)
+    self._parked.discard(key)
+    return was
+
+  def remove(self, key):
+    self.discard(key)
+    ghosts = self._b2 if key in self._in_t2 else self._b1
+    self._in_t2.discard(key)
+    ghosts[self._chain.pop(key)] = None
+    self._entries -= 1
+    while len(ghosts) > max(self._entries, 1):
+      del ghosts[next(iter(ghosts))]
+
+  def pop(self, can_evict=None):
+    while self._t1 or self._t2:
+      t1_size = self._entries - len(self._in_t2)
+      lru = self._t1 if self._t1 and (t1_size > self.p or not self._t2) else self._t2
+      key = next(iter(lru))
+      del lru[key]
+      if can_evict is None or can_evict(key):
+        return key
+      self._parked.add(key)
+    return None
+
+  def requeue(self, key):
+    if key in self._parked:
+      self._parked.discard(key)
+      (self._t2 if key in self._in_t2 else self._t1)[key] = None
+
+  def ranked(self, keys):
+    """The order pop would take them in with p as it is now (T1 first while it is over p)."""
+    t1_size = self._entries - len(self._in_t2)
+    lists = (self._t1, self._t2) if t1_size > self.p else (self._t2, self._t1)
+    order = {k: i for i, k in enumerate(itertools.chain(*lists))}
+    return sorted((k for k in keys if k in self), key=lambda k: order.get(k, math.inf))
+
+  def keys(self):
+    return list(self._t1) + list(self._t2) + list(self._parked)
+
+  def __contains__(self, key) -> bool:
+    return key in self._t1 or key in self._t2 or key in self._parked
+
+  def __len__(self) -> int:
+    return len(self._t1) + len(self._t2) + len(self._parked)
+
+
 def _is_queue_class(obj) -> bool:
   return isinstance(obj, type) and issubclass(obj, EvictionQueue)
 
@@ -783,6 +916,8 @@ EVICTION.register('gdsf', GDSF)
 EVICTION.register('session_recency', SessionRecency)
 EVICTION.register('s3fifo', S3FIFO)
 EVICTION.register('hit_density', HitDensity)
+EVICTION.register('lrfu', LRFU)
+EVICTION.register('arc', ARC)
 EVICTION.register('belady', Belady)
 EVICTION.register('reuse_oracle', ReuseOracle)
 
