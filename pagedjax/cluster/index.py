@@ -9,6 +9,13 @@ a prefix each replica holds, and in which tier each block of it sits: the precis
 
 The index is exact as of the last batch applied: events of a replica's iteration in flight are
 not in yet (a real indexer reads them off a queue, later still). Plain host Python (no jax).
+
+A shared store (`shared_media`, e.g. ('DISK',): the replicas' disk tiers are one store,
+disk_store.make_shared) is one holder, SHARED, whatever replica announced a block in it: a
+block stored there is available to every replica at that tier, a replica's death or
+AllBlocksCleared does not take it away, and a BlockRemoved in that medium (the block was
+overwritten or failed a read) does. `match(keys, replicas)` then gives every replica named the
+longest prefix held on its own tiers or in the store.
 """
 import collections
 from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
@@ -29,9 +36,18 @@ def prompt_keys(token_ids: Seq[int], block_size: int, salt: Optional[str] = None
   return chain_keys(token_ids, block_size, len(token_ids) // block_size, salt)
 
 
+SHARED = -1  # the holder of a shared medium's blocks
+
+
 class KVIndex:
 
-  def __init__(self):
+  def __init__(self, shared_media: Iterable[str] = ()):
+    """shared_media: media whose blocks every replica reaches (one store; module docstring)."""
+    self.shared_media = frozenset(shared_media)
+    unknown = self.shared_media - set(kv_events.MEDIA)
+    if unknown:
+      raise ValueError(f'shared_media={sorted(unknown)} is not allowed: media among '
+                       f'{kv_events.MEDIA}')
     self._holders: Dict[int, Dict[int, int]] = {}  # key -> replica -> mask of tier bits
     self._keys: Dict[int, Dict[str, set]] = collections.defaultdict(
         lambda: {m: set() for m in kv_events.MEDIA})  # replica -> medium -> keys
@@ -44,13 +60,17 @@ class KVIndex:
       events = events.events
     for event in events:
       self.events_applied += 1
-      if isinstance(event, kv_events.BlockStored):
-        self._store(replica, event.medium or kv_events.MEDIUM_GPU, event.block_hashes)
-      elif isinstance(event, kv_events.BlockRemoved):
-        self._remove(replica, event.medium or kv_events.MEDIUM_GPU, event.block_hashes)
+      if isinstance(event, (kv_events.BlockStored, kv_events.BlockRemoved)):
+        medium = event.medium or kv_events.MEDIUM_GPU
+        holder = SHARED if medium in self.shared_media else replica
+        if isinstance(event, kv_events.BlockStored):
+          self._store(holder, medium, event.block_hashes)
+        else:
+          self._remove(holder, medium, event.block_hashes)
       elif isinstance(event, kv_events.AllBlocksCleared):
         for medium in [event.medium] if event.medium else kv_events.MEDIA:
-          self._remove(replica, medium, list(self._keys[replica][medium]))
+          if medium not in self.shared_media:  # one replica's view of the store, not the store
+            self._remove(replica, medium, list(self._keys[replica][medium]))
       else:
         raise TypeError(f'event {event!r} is not allowed: a kv_events.BlockStored, '
                         'BlockRemoved or AllBlocksCleared')
@@ -77,20 +97,25 @@ class KVIndex:
           del self._holders[key]
       mine.discard(key)
 
-  def match(self, keys: Seq[int]) -> Dict[int, List[int]]:
+  def match(self, keys: Seq[int], replicas: Optional[Iterable[int]] = None
+            ) -> Dict[int, List[int]]:
     """replica -> the tiers (1 device, 2 host RAM, 3 disk: the best one each) of the blocks of
-    the longest prefix of `keys` it holds; replicas holding none are left out."""
+    the longest prefix of `keys` it holds; replicas holding none are left out. With a shared
+    store, each of `replicas` also holds what the store does (without `replicas`, only the
+    replicas' own tiers count)."""
     out: Dict[int, List[int]] = {}
     alive: Optional[Dict[int, List[int]]] = None
+    everyone = list(replicas) if replicas is not None and self.shared_media else None
     for key in keys:
       holders = self._holders.get(key)
       if not holders:
         break
+      shared = holders.get(SHARED, 0) if everyone is not None else 0
       if alive is None:
-        alive = {r: [] for r in holders}
+        alive = {r: [] for r in (everyone if shared else holders) if r != SHARED}
       for r in list(alive):
-        mask = holders.get(r)
-        if mask is None:
+        mask = holders.get(r, 0) | shared
+        if not mask:
           out[r] = alive.pop(r)
         else:
           alive[r].append(_BEST[mask])

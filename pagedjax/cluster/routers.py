@@ -254,7 +254,7 @@ class PreciseRouter(Router):
 
   def route(self, request, replicas):
     keys = request.keys(self.block_size or replicas[0].block_size)
-    held = self.index.match(keys) if keys else {}
+    held = self.index.match(keys, [r.index for r in replicas]) if keys else {}
     most = max(r.num_requests for r in replicas) or 1
     w = self.tier_weights
 
@@ -295,6 +295,6 @@ class TierCostRouter(Router):
 
   def route(self, request, replicas):
     keys = request.keys(self.block_size or replicas[0].block_size)
-    held = self.index.match(keys) if keys else {}
+    held = self.index.match(keys, [r.index for r in replicas]) if keys else {}
     return min(replicas, key=lambda r: (self.expected_ttft_s(request, r, held.get(r.index, ())),
                                         r.load_tokens, r.index)).index

@@ -24,10 +24,26 @@ write in flight are not matched, and entries with a read in flight are not evict
 A store that cannot be opened (unreachable, or a new store in a read-only place) switches the
 tier off with one warning; the engine goes on with the tiers above. A store that opens but
 refuses a write (read-only, disk full) becomes read-only with one warning: the entries it holds
-are still served (every read verifies), nothing more is written to it. Engines (or processes)
-sharing a store keep separate indexes and may overwrite each other's slots: that costs misses
-(the header no longer names the key), never wrong K/V. Call `flush()` before a process exits:
-writes still in flight are lost (a miss after a restart, as any torn write).
+are still served (every read verifies), nothing more is written to it. Call `flush()` before a
+process exits: writes still in flight are lost (a miss after a restart, as any torn write).
+
+Sharing a store between processes (replicas of a deployment; `make_shared(url, slots)` once,
+before they open it). A private store (the default) gives each key any free slot, so two
+processes on it keep separate indexes, overwrite each other's slots and never find each other's
+blocks: misses, never wrong K/V. A shared store is marked so at its root
+(`pagedjax-layout.json`: the layout and the slot count), and every DiskStore opened on it then
+uses the same placement: a block's slot is its home slot, content key mod slots
+(`HomeSlotIndex`; a direct-mapped cache: a block whose home slot holds another replaces it,
+unless that one is being written or read here). A lookup that this process's index misses reads
+the header at the key's home slot (one small synchronous read) and adopts an entry another
+process wrote there if the header verifies and names the key and content asked; the record is
+verified on its read as always. So a block one replica computed is a tier-3 hit on every other.
+Concurrent writers and readers stay correct by the same rules: a header and its record are
+separate chunks, each written whole (tensorstore writes a chunk file by rename), and a header
+carries its record's checksum, so a header of one write read with the record of another is a
+miss, and an entry overwritten after this process adopted it is a miss on its read
+(tests/test_shared_store.py: several processes writing and reading the same keys). Every
+process on a shared store must open it with `capacity` equal to its slot count.
 
 Nothing but blocks and their headers is written into the store: the read figures of the cost
 model (`measure_read`) come from reading its own records, or, in a store that holds none yet,
@@ -38,6 +54,7 @@ free space (a 'memory://' store's, the host RAM): else ConfigError, before anyth
 Memory grows with the slots in use, never with the capacity.
 """
 import hashlib
+import json
 import os
 import struct
 import tempfile
@@ -64,6 +81,7 @@ _CONTEXT = ts.Context()
 
 
 RESTORE_ROWS = 1 << 16  # headers read per request at a restart
+LAYOUT_KEY = 'pagedjax-layout.json'  # at a store's root: {"layout": "shared", "slots": N}
 
 
 def kvstore_spec(url: str) -> ts.KvStore.Spec:
@@ -96,6 +114,93 @@ def check_capacity(url: str, capacity: int, record_nbytes: int,
                                   "host RAM (a 'memory://' store)")
 
 
+def _root(url: str):
+  return ts.KvStore.open(kvstore_spec(url), context=_CONTEXT).result()
+
+
+def store_layout(url: str) -> Optional[dict]:
+  """The layout a store was marked with (make_shared), or None: a private store."""
+  found = _root(url).read(LAYOUT_KEY).result()
+  if found.state != 'value':
+    return None
+  layout = json.loads(bytes(found.value))
+  if layout.get('layout') != 'shared' or not isinstance(layout.get('slots'), int):
+    raise ValueError(f'{LAYOUT_KEY} of {url!r} is {layout!r}: not a layout this code wrote')
+  return layout
+
+
+def make_shared(url: str, slots: int) -> None:
+  """Marks the store at url shared by every process that opens it, with `slots` home slots
+  (module docstring). Done once, before the processes open it; marking it again with the same
+  slots is a no-op, with others a ValueError (the processes on it would disagree on where a
+  block lives)."""
+  if not isinstance(slots, int) or isinstance(slots, bool) or not 0 < slots <= MAX_SLOTS:
+    raise ValueError(f'slots={slots!r} is not allowed: an integer in 1..{MAX_SLOTS:,}')
+  layout = store_layout(url)
+  if layout is not None and layout['slots'] != slots:
+    raise ValueError(f'the store {url!r} is already shared with {layout["slots"]} slots, not '
+                     f'{slots}: a shared store keeps its slot count')
+  if layout is None:
+    _root(url).write(LAYOUT_KEY, json.dumps({'layout': 'shared', 'slots': slots})).result()
+
+
+class _NoFreeList:
+  """A home-slot index hands out no free slots: a slot given back is simply unused."""
+
+  def push(self, slot: int) -> None:
+    pass
+
+  def take(self, slots) -> None:
+    pass
+
+
+class HomeSlotIndex(TierIndex):
+  """A shared store's index (module docstring): key -> its home slot, key mod capacity, the
+  same in every process; reserving a key whose home slot holds another here replaces that one
+  (announced as removed), unless it is pending or pinned. The eviction policy never runs: the
+  slots decide what is replaced."""
+
+  def __init__(self, capacity: int, eviction='lru'):
+    super().__init__(capacity, eviction)
+    self._free = _NoFreeList()
+
+  def home(self, key: int) -> int:
+    return key % self.capacity
+
+  def reserve(self, key: int, content):
+    if key in self._slot:
+      raise ValueError(f'key {key} is already in this tier (slot {self._slot[key]})')
+    slot, victim = self.home(key), None
+    other = self._key_at.get(slot)
+    if other is not None:
+      if other in self._pending or other in self._pins:
+        return None
+      victim = (other, self._content[other], slot)
+      self.evictions += 1
+      self.remove(other)
+    self._add(key, content, slot)
+    self._pending.add(key)
+    return slot, victim
+
+  def adopt(self, key: int, content) -> bool:
+    """An entry another process committed at key's home slot, known here from now on (and
+    announced as stored); False when this process's entry in that slot is pending or pinned."""
+    if self.reserve(key, content) is None:
+      return False
+    self.commit(key)
+    return True
+
+  def restore(self, entries) -> None:
+    """Entries at their home slots (a store that was private once may hold others: unused)."""
+    super().restore([(k, c, s) for k, c, s in entries if s == self.home(k)])
+
+  def check(self) -> None:
+    assert len(self._slot) <= self.capacity, (len(self._slot), self.capacity)
+    assert {self._key_at[s]: s for s in self._key_at} == self._slot
+    assert all(s == self.home(k) for k, s in self._slot.items())
+    assert self._pending <= set(self._slot) and set(self._pins) <= set(self._slot)
+
+
 def _digest(data: bytes, size: int = 16) -> bytes:
   return hashlib.blake2b(data, digest_size=size).digest()
 
@@ -124,7 +229,16 @@ class DiskStore:
     self._serial = 0
     self.read_failures = 0  # reads that did not verify (misses)
     self.restored = 0  # entries found at open (warm restart)
+    self.shared = False  # a store shared between processes (make_shared)
+    self.probes = self.adopted = 0  # shared: home-slot header reads, entries others wrote found
     try:
+      layout = store_layout(url)
+      if layout is not None:
+        if layout['slots'] != capacity:
+          raise ValueError(f'it is shared with {layout["slots"]} slots and this engine asks for '
+                           f'{capacity} (config.tiers.disk_blocks): every process sharing a '
+                           'store opens it with its slot count')
+        self.shared, self.index = True, HomeSlotIndex(capacity, eviction)
       self._base = kvstore_spec(url) / f'{fingerprint.hex()}/'
       self._headers = self._open('headers/', HEADER_BYTES)
       self._blocks = self._open('blocks/', record_nbytes)
@@ -261,7 +375,30 @@ class DiskStore:
   # ---- reads -------------------------------------------------------------------------------
 
   def find(self, key: int, content_digest: bytes) -> bool:
-    return self.enabled and self.index.find(key, content_digest) is not None
+    if not self.enabled:
+      return False
+    if self.index.find(key, content_digest) is not None:
+      return True
+    return self.shared and self._probe(key, content_digest)
+
+  def _probe(self, key: int, content_digest: bytes) -> bool:
+    """A shared store: did another process write key's entry at its home slot? Reads that
+    header (synchronously) and adopts the entry if it verifies and names this key and content
+    (its record is verified when read)."""
+    if key in self.index:  # here with other content, or being written from here
+      return False
+    self.probes += 1
+    try:
+      row = self._headers[self.index.home(key)].read().result()
+    except (ValueError, OSError, RuntimeError):
+      return False
+    parsed = self._parse(row) if row.any() else None
+    if parsed is None or parsed[:2] != (key, content_digest):
+      return False
+    if not self.index.adopt(key, content_digest):
+      return False
+    self.adopted += 1
+    return True
 
   def read(self, key: int, content_digest: bytes) -> Optional[DiskRead]:
     """Issues the asynchronous read of a committed entry (pinned until `finish`)."""
@@ -329,6 +466,8 @@ class DiskStore:
             'tier3_read_only_reason': self.read_only_reason,
             'tier3_calibrated_on': self.calibrated_on,
             'tier3_read_failures': self.read_failures, 'tier3_restored_blocks': self.restored,
+            'tier3_shared': self.shared, 'tier3_probes': self.probes,
+            'tier3_adopted_blocks': self.adopted,
             'tier3_writes_in_flight': len(self._writes)}
 
 
