@@ -1,7 +1,7 @@
 """A non-editable install holds the whole library: a wheel built from setup.py has every package
 under pagedjax/, the kernels/ folder as `pagedjax.kernels` (never a top-level `kernels`, a name
-other libraries use), none of tests/, experiments/, configs/, and the simulator imports from the
-installed tree alone.
+other libraries use), none of tests/, experiments/, configs/, and the installed tree alone runs an engine
+(a tiny random Llama decoding) and the simulator.
 
 CI installs the repo editable, where a package setup.py forgot still imports (from the source
 tree), so this builds a real wheel: from a copy of the repo (setuptools writes build/ and
@@ -52,7 +52,7 @@ def run(cmd, cwd, **kwargs):
 
 
 @pytest.mark.slow
-def test_wheel_holds_every_package_and_the_simulator_imports_from_it(tmp_path):
+def test_wheel_holds_every_package_and_runs_the_engine_and_the_simulator(tmp_path):
   packages = source_packages()
   assert {'pagedjax', 'pagedjax.sim', 'pagedjax.kernels'} <= set(packages), packages
   source = tmp_path / 'source'
@@ -89,6 +89,22 @@ def test_wheel_holds_every_package_and_the_simulator_imports_from_it(tmp_path):
         assert module.__file__.startswith({str(site)!r}), (name, module.__file__)
       from pagedjax.sim import cost_model, hardware
       assert cost_model.__file__.startswith({str(site)!r}), cost_model.__file__
+      # The installed library runs: a decode on a tiny random Llama (the main job's engine with
+      # :tiny's model), and a simulated engine of a preset on a preset accelerator.
+      import pagedjax
+      from pagedjax import sizing
+      from pagedjax.sim import simulated_device
+      config = pagedjax.Config(model=pagedjax.ModelSection(source='random'),
+                               pool=pagedjax.PoolConfig(num_blocks=32, block_size=16))
+      engine = pagedjax.build_engine(config)
+      (done,) = engine.generate(['The capital of France is'],
+                                pagedjax.SamplingParams(max_new_tokens=4))
+      assert len(done.output_ids) == 4, done
+      sim = simulated_device.simulated_engine(
+          sizing.get_preset('llama3-8b'), hardware.get_hardware('h100-sxm'),
+          pagedjax.Config(pool=pagedjax.PoolConfig(num_blocks=256, block_size=16)))
+      finished = sim.generate([list(range(1, 200))] * 3, pagedjax.SamplingParams(max_new_tokens=8))
+      assert [len(c.output_ids) for c in finished] == [8, 8, 8] and sim.clock > 0
       print('ok', len({packages!r}))
       """)
   out = run([sys.executable, '-S', '-P', '-c', probe], cwd=tmp_path)
