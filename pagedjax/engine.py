@@ -238,7 +238,7 @@ class Engine:
     finished = self.update.update(plan, output, now,
                                   host_s=now - self.clock - output.device_s)
     self.clock = now
-    if self.tiers is not None:  # write-through: the blocks the cache just took, copied down
+    if self.tiers is not None:  # write-through copies of what the cache just took; tier row
       written = self.executor.write_through()
       self.metrics.count_device(written)
       self.clock += written.device_s

@@ -25,12 +25,22 @@ requests that finished (not aborted) per second of the run (first arrival to las
 
 Thrashing (preemption dominating): preempted and re-preempted requests (preempted >= 1 and
 >= 2 times), and `recomputed_token_fraction` = positions fed again below what their sequence
-had cached before a recompute preemption (executor.py's 'recomputed_tokens') over all positions
+had cached before a recompute preemption ('recomputed_tokens', counted by the update step,
+host/scheduling/update.py) over all positions
 fed ('tokens_fed': prompt chunks, recomputation and decodes).
 
 Prefix lookups: with a prefix cache, each iteration also records the tokens its admissions
 queried and found in the cache, the windowed hit rate over recent iterations and whether the
 hit-rate alert is active (host/alerts.py: the alert, its records and the throttle it drives).
+
+Counters: `Metrics.counters` is the run's one set of counts (engine.stats is this object, read
+only by convention), written only here, by the count_* methods the engine's iteration calls:
+count_submitted at submission, count_plan with each iteration's plan (preemptions by policy,
+forks, iterations), count_device with what the executor returned (StepOutput.counts: blocks
+swapped, copied and offloaded, steps by kind, compilations, the block-table and streamed-path
+figures; the device and compile seconds), count_tokens with the update step's tallies
+(positions fed, prompt positions computed and recomputed, tokens generated, beam forks) and
+count_aborted. A count named *_max keeps the largest value reported; the rest add up.
 """
 import collections
 import itertools
@@ -41,7 +51,7 @@ import numpy as np
 from pagedjax.host.alerts import HitRateMonitor
 from pagedjax.host.requests.sequence import Completion, Sequence
 
-# The engine's own counters that engine_summary() reports next to the metrics.
+# The counters (Metrics.counters) that engine_summary() reports next to the metrics.
 ENGINE_COUNTERS = ('preemptions', 'preemptions_recompute', 'preemptions_swap',
                    'swapped_out_blocks', 'swapped_in_blocks', 'forks', 'cow_copies',
                    'prompt_tokens_submitted', 'prompt_tokens_computed', 'aborted',
@@ -80,6 +90,13 @@ def logical_slots(seqs: Seq[Sequence], block_size: int) -> int:
   return sum(len(s.block_table) for s in seqs) * block_size
 
 
+def add_counts(total: Dict[str, float], counts: Dict[str, float]) -> None:
+  """Adds counts into total; a count named *_max keeps the larger value instead."""
+  for key, value in counts.items():
+    total[key] = max(total.get(key, 0), value) if key.endswith('_max') else (
+        total.get(key, 0) + value)
+
+
 def percentile(values, q) -> Optional[float]:
   return float(np.percentile(values, q)) if len(values) else None
 
@@ -96,6 +113,47 @@ class Metrics:
     self.capacity = (num_blocks - 1) * block_size
     self.steps: Dict[str, List[float]] = collections.defaultdict(list)
     self.requests: List[Completion] = []
+    self.counters: collections.Counter = collections.Counter()  # module docstring: Counters
+
+  # ---- counters ----------------------------------------------------------------------------
+
+  def count_submitted(self, prompt_tokens: int) -> None:
+    self.counters['prompt_tokens_submitted'] += prompt_tokens
+
+  def count_plan(self, plan) -> None:
+    """An executed iteration's plan (host/scheduling/scheduler.py): its preemptions by how
+    they kept the victim's K/V, and the parallel samples forked."""
+    c = self.counters
+    c['steps'] += 1
+    for _, policy in plan.preempted:
+      c['preemptions'] += 1
+      c[f'preemptions_{policy}'] += 1
+    c['forks'] += len(plan.forked)
+
+  def count_device(self, output) -> None:
+    """What the executor did (a StepOutput, host/scheduling/device_api.py): its counts, and its
+    device and compile seconds."""
+    c = self.counters
+    add_counts(c, output.counts)
+    c['device_seconds'] += output.device_s
+    c['compile_seconds'] += output.compile_s
+
+  def count_tokens(self, *, fed: int, prompt_computed: int, recomputed: int, generated: int,
+                   forks: int = 0) -> None:
+    """The update step's tallies: positions fed (prompt chunks, recomputation, decodes), prompt
+    positions computed, positions fed again below a sequence's high-water mark (thrashing's
+    waste), tokens generated, beams forked."""
+    c = self.counters
+    c['tokens_fed'] += fed
+    c['prompt_tokens_computed'] += prompt_computed
+    c['recomputed_tokens'] += recomputed
+    c['generated_tokens'] += generated
+    c['forks'] += forks
+
+  def count_aborted(self) -> None:
+    self.counters['aborted'] += 1
+
+  # ---- per-iteration samples ---------------------------------------------------------------
 
   def record_step(self, *, t: float, running: Seq[Sequence], num_waiting: int,
                   num_swapped: int, free_blocks: int, memory_blocked: bool,
@@ -188,9 +246,10 @@ class Metrics:
     out.update(self._request_figures())
     return out
 
-  def engine_summary(self, counters: Dict[str, int], prefix_cache=None, **fields) -> dict:
-    """summary() with the engine's counters (ENGINE_COUNTERS), what prefix caching saved, the
+  def engine_summary(self, prefix_cache=None, **fields) -> dict:
+    """summary() with the run's counters (ENGINE_COUNTERS), what prefix caching saved, the
     cache's own figures, the peak memory sample and `fields` (the engine's settings)."""
+    counters = self.counters
     out = self.summary()
     out.update({k: counters[k] for k in ENGINE_COUNTERS})
     submitted = counters['prompt_tokens_submitted']

@@ -22,10 +22,13 @@ The clock (`SimClock`) is the engine's timer: it moves only when the simulated d
 so a run's figures (TTFT, TPOT, throughput) are simulated seconds, and the same run gives the
 same figures on any machine.
 
-`SimulatedStep` has the jitted step's interface (`step(params, pool, inputs) -> (pool, tokens)`)
-and can drive the real PlanExecutor; SimulatedExecutor skips building the StepInputs (the largest
-host cost at thousands of rows per second) and gives the cost model the StepShape those inputs
-would have: tests check the two agree call for call.
+The engine's executor is the real PlanExecutor (pagedjax/executor.py): the same plan, the same
+calls in the same order, the same shape buckets and top-K choice. `SimulatedDevice` is the
+Device it runs them on (host/scheduling/device_api.py's protocol; no subclass of the executor):
+it skips building the StepInputs (the largest host cost at thousands of rows per second) and
+gives the cost model the StepShape those inputs would have. `SimulatedStep` has the jitted
+step's interface (`step(params, pool, inputs) -> (pool, tokens)`) and can drive the real
+JaxDevice instead: tests check the two agree call for call.
 """
 import dataclasses
 import math
@@ -39,8 +42,7 @@ from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig, scheme_for
 from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
-from pagedjax.host.requests import beam as beam_lib
-from pagedjax.host.scheduling.step_inputs import bucket
+from pagedjax.host.scheduling.device_api import CallResult, StepCall
 from pagedjax.model.llama import ModelConfig
 from pagedjax.host.tiers import tier_cost
 from pagedjax.sim.cost_model import CostModel, StepShape, prefill_step
@@ -118,7 +120,7 @@ class SimulatedPool:
     return {}
 
 
-# ---- step and executor ----------------------------------------------------------------------
+# ---- step and device ------------------------------------------------------------------------
 
 class SimulatedStep:
   """The jitted step's interface, run by the cost model: `step(params, pool, inputs)`."""
@@ -148,65 +150,56 @@ class SimulatedStep:
     return (pool, tokens, *sim_candidates(tokens, inputs.context_lens, self.topk, b.vocab_size))
 
 
-class SimulatedExecutor(PlanExecutor):
-  """PlanExecutor with the device calls replaced by the cost model's times (executor.py keeps
-  the order of the calls and the bookkeeping after them: `_advance`)."""
+class SimulatedDevice:
+  """The Device protocol (host/scheduling/device_api.py) on a simulated clock: every call
+  advances the backend's clock by the cost model's time for it and moves no data.
 
-  def __init__(self, backend: 'SimulatedBackend', *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.backend = backend
+  Transfers (swap-out/in, and the tiers' demotions and promotions, which never happen here:
+  tiering.build_tiers refuses a simulated pool, whose stores hold no block contents) take the
+  host link's time for their blocks; copies a read and a write in HBM; a step the time of the
+  StepShape its padded rows and tokens make, and its tokens (and a beam call's candidates) are
+  sim_tokens' and sim_candidates'. Each iteration also charges the host code's time for its
+  rows (CostModel.host_time)."""
+  params = None
+  step_fn = None
+  record_logits = False  # a simulated step has no logits (SimulatedBackend.step refuses them)
+
+  def __init__(self, backend: 'SimulatedBackend', pool: SimulatedPool):
+    self.backend, self.pool = backend, pool
     self.shapes = []  # the StepShape of every step call, in order (with backend.record_shapes)
 
-  def execute(self, plan, timing):
-    self.backend.clock.advance(self.backend.cost.host_time(len(plan.rows)))
-    return super().execute(plan, timing)
+  def start_iteration(self, num_rows: int) -> None:
+    self.backend.clock.advance(self.backend.cost.host_time(num_rows))
 
-  def _advance_clock(self, seconds: float) -> None:
-    self.backend.clock.advance(seconds)
+  def gather(self, blocks) -> dict:
+    self.backend.clock.advance(self.backend.cost.swap_time(len(blocks)))
+    return {}  # the pool's block_array_shapes(): a simulated store keeps no contents
 
-  # Demotions and promotions to KV tiers (host/tiers/kv_tiers.py) would be timed like swaps, but
-  # tiering.build_tiers refuses a simulated pool (its stores hold block contents), so they are
-  # always empty here.
-  def _swap_out(self, copies, demoted=()) -> int:
-    n = sum(len(src) for src, _ in copies)
-    self._advance_clock(self.backend.cost.swap_time(n + len(demoted)))
-    return n
+  def scatter(self, blocks, data) -> None:
+    del data
+    self.backend.clock.advance(self.backend.cost.swap_time(len(blocks)))
 
-  def _swap_in(self, copies, promoted=()):
-    n = sum(len(src) for src, _ in copies)
-    self._advance_clock(self.backend.cost.swap_time(n + len(promoted)))
-    return self.pool
+  def copy(self, pairs) -> None:
+    self.backend.clock.advance(self.backend.cost.copy_time(len(pairs)))
 
-  def _copy(self, copies):
-    self._advance_clock(self.backend.cost.copy_time(len(copies)))
-    return self.pool
-
-  def _run(self, rows, kind: str, timing) -> list:
-    """Times the call the real executor would make for these rows; returns what _advance does."""
-    b = self.backend
-    batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
-    shape = StepShape.from_rows([(n, seq.num_cached + n) for seq, n in rows],
-                                bucket(len(rows), batch_buckets),
-                                bucket(max(n for _, n in rows), self.token_buckets))
+  def step(self, call: StepCall) -> CallResult:
+    b, rows = self.backend, call.rows
+    shape = StepShape.from_rows([(n, seq.num_cached + n) for seq, n in rows], call.num_rows,
+                                call.num_tokens)
     if b.record_shapes:
       self.shapes.append(shape)
-    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
-                for s, _ in rows if s.beam), default=0)
-
-    def call():
-      b.clock.advance(b.cost.step_time(shape))
-      contexts = shape.context_lens[:len(rows)]
-      tokens = sim_tokens([s.params.seed for s, _ in rows], [len(s.output_ids) for s, _ in rows],
-                          contexts, b.vocab_size, b.eos_id)
-      return tokens, (sim_candidates(tokens, contexts, topk, b.vocab_size) if topk else None)
-
-    tokens, cands = self._timed(timing, call)
-    return self._advance(rows, tokens, None, cands)
+    b.clock.advance(b.cost.step_time(shape))
+    contexts = shape.context_lens[:len(rows)]
+    tokens = sim_tokens([s.params.seed for s, _ in rows], [len(s.output_ids) for s, _ in rows],
+                        contexts, b.vocab_size, b.eos_id)
+    cands = sim_candidates(tokens, contexts, call.topk, b.vocab_size) if call.topk else None
+    return CallResult(rows, tokens, None, cands)
 
 
 class SimulatedBackend:
   """What Engine(backend=...) builds the pool, executor and step from (executor.DEVICE is the
-  real one). One backend per engine: it keeps that engine's clock and cost model."""
+  real one): a SimulatedPool, the PlanExecutor on a SimulatedDevice, and a SimulatedStep. One
+  backend per engine: it keeps that engine's clock and cost model."""
 
   def __init__(self, shape: sizing.ModelShape, hardware, *, tp: int = 1,
                weight_dtype: str = 'bf16', activation_dtype: str = 'bf16',
@@ -234,8 +227,11 @@ class SimulatedBackend:
                           count_padding=self.count_padding)
     return self.pool
 
-  def executor(self, *args, **kwargs) -> SimulatedExecutor:
-    return SimulatedExecutor(self, *args, **kwargs)
+  def executor(self, params, pool, step_fn, blocks, **kwargs) -> PlanExecutor:
+    """The real executor, on this backend's SimulatedDevice (step_fn, a SimulatedStep, is not
+    called: the device times the calls itself)."""
+    del params, step_fn
+    return PlanExecutor(None, pool, None, blocks, device=SimulatedDevice(self, pool), **kwargs)
 
   def preemption_cost(self, t, executor) -> tier_cost.TierCosts:
     """The figures preemption weighs (host/tiers/tier_cost.py), from this cost model rather than

@@ -4,42 +4,53 @@ candidates, using the selection rule of beam.py.
 A beam kept c times continues with its best kept token and forks c - 1 children (shared blocks;
 the next iteration's slot reservation copies a partly filled last block, as for parallel
 samples); a beam kept 0 times frees its blocks. This runs after the iteration's memory sample,
-like retirement. Plain host bookkeeping: the candidates come from the step variant that returns
-top-K log-probs (pagedjax/model/step.py).
+like retirement; the update step (host/scheduling/update.py) calls it and reports what it
+returns. Plain host bookkeeping: the candidates come from the step variant that returns top-K
+log-probs (pagedjax/model/step.py).
 """
-import collections
-from typing import List
+from typing import List, NamedTuple
 
 import numpy as np
 
 from pagedjax.host.requests import beam as beam_lib
-from pagedjax.host.scheduling.lanes import Lanes
 from pagedjax.host.scheduling.scheduler import Scheduler
 from pagedjax.host.requests.sequence import Sequence, Status
 
 
+class Advanced(NamedTuple):
+  """What one advance did: the groups that finished, the tokens kept, the beams forked."""
+  finished: List[beam_lib.BeamGroup]
+  tokens: int
+  forks: int
+
+
 class BeamSearch:
 
-  def __init__(self, scheduler: Scheduler, lanes: Lanes, stats: collections.Counter,
-               max_seq_len: int):
-    self.scheduler, self.lanes, self.stats = scheduler, lanes, stats
+  def __init__(self, scheduler: Scheduler, max_seq_len: int):
+    self.scheduler = scheduler
     self.max_seq_len = max_seq_len
     self.groups: List[beam_lib.BeamGroup] = []  # beam requests under way
 
-  def advance(self, now: float) -> List[beam_lib.BeamGroup]:
-    """Expands every ready group; returns the groups that finished (their beams freed)."""
-    done = []
+  def advance(self, now: float) -> Advanced:
+    """Expands every ready group; returns the groups that finished (their beams freed) and
+    the tokens and forks of the expansions."""
+    done, tokens, forks = [], 0, 0
     for group in list(self.groups):
-      if group.ready(Status.RUNNING) and self._expand(group, now):
+      if not group.ready(Status.RUNNING):
+        continue
+      kept, forked, finished = self._expand(group, now)
+      tokens, forks = tokens + kept, forks + forked
+      if finished:
         for beam in group.live:
           self.drop(beam, now)
         group.live = []
         self.groups.remove(group)
         done.append(group)
-    return done
+    return Advanced(done, tokens, forks)
 
-  def _expand(self, group: beam_lib.BeamGroup, now: float) -> bool:
-    """One expansion step of a ready group; returns whether the group is done."""
+  def _expand(self, group: beam_lib.BeamGroup, now: float):
+    """One expansion step of a ready group; returns (tokens kept, beams forked, whether the
+    group is done)."""
     beams, leader = group.live, group.leader
     ids = np.stack([group.candidates[id(b)][0] for b in beams])
     logprobs = np.stack([group.candidates[id(b)][1] for b in beams])
@@ -56,21 +67,21 @@ class BeamSearch:
     for b, beam in enumerate(beams):
       if b not in kept_beams:
         self.drop(beam, now)
-    group.live, group.logprob = self._continue(group, beams, kept), {}
+    live, forks = self._continue(group, beams, kept)
+    group.live, group.logprob = live, {}
     for beam, (_, _, lp) in zip(group.live, kept):
       group.logprob[id(beam)] = lp
     group.candidates = {}
-    self.stats['generated_tokens'] += len(kept)
     leader.extra_rows = 0  # its reserved rows are the forks' now
     if leader.first_token_time is None:
       leader.first_token_time = now
-    return group.done(kept)
+    return len(kept), forks, group.done(kept)
 
-  def _continue(self, group, beams: List[Sequence], kept) -> List[Sequence]:
+  def _continue(self, group, beams: List[Sequence], kept):
     """The live beams after this step, in `kept` order (best first): a beam keeps its best
-    kept token and forks a child for each other one."""
+    kept token and forks a child for each other one. Returns (live beams, children forked)."""
     outputs = [list(b.output_ids) for b in beams]  # before any kept token is appended
-    live, used = [], set()
+    live, used, forks = [], set(), 0
     for b, token, _ in kept:
       target = beams[b]
       if b in used:
@@ -78,15 +89,15 @@ class BeamSearch:
                           arrival_time=target.arrival_time, output_ids=list(outputs[b]),
                           group_id=group.leader.group_id, beam=group)
         self.scheduler.fork_running(beams[b], target)
-        self.stats['forks'] += 1
+        forks += 1
       used.add(b)
       target.output_ids.append(token)
       live.append(target)
-    return live
+    return live, forks
 
   def drop(self, beam: Sequence, now: float) -> None:
-    """Frees a beam's blocks and lane; its preemptions count toward its group's."""
+    """Frees a beam's blocks and lane (scheduler.finish); its preemptions count toward its
+    group's."""
     beam.beam.num_preemptions += beam.num_preemptions
     self.scheduler.finish(beam, now)
-    self.lanes.release(beam)
     beam.status = Status.FINISHED

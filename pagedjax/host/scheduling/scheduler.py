@@ -26,11 +26,18 @@ Queues:
      may set between iterations; None = no cap).
      A prompt's blocks are allocated whole at admission, so a sequence mid-prompt never needs
      more blocks and never preempts anyone.
+  5. Lanes: sequences preempted now give theirs back, then every running sequence without one
+     takes one (lanes.py), listed in `Plan.lanes`.
+  6. Tier work: the demotions, tier-1 copies and promotions the KV tiers queued since the last
+     plan (evictions this pass caused, idle sessions demoted before it, prefixes found below the
+     device at admission; host/tiers/kv_tiers.py) move into the plan.
 Admission takes a prompt's cached prefix from the prefix cache when there is one
 (block_manager.allocate_waiting). A decode whose slot lies in a shared block gets a private copy
 (copy-on-write), listed in `Plan.copies`. Batch rows count a leader's pending forks.
-The plan is pure host bookkeeping; the engine runs it (copies for swaps and copy-on-write, then
-the jitted steps).
+
+The plan is the iteration's whole work order: pure host bookkeeping, which the executor
+(pagedjax/executor.py) turns into device calls and nothing else, in the order `Plan` lists. What
+the steps sample comes back as a StepOutput (device_api.py) for the update step (update.py).
 
 Victim, admission and queue order are plug-ins (host/policies.py: their registries, protocols and
 the built-in policies; a config may also name 'package.module:function').
@@ -55,6 +62,7 @@ from typing import List, Optional, Tuple
 from pagedjax.host import policies
 from pagedjax.host.scheduling.allocator import BlockAllocator
 from pagedjax.host.scheduling.block_manager import BlockManager
+from pagedjax.host.scheduling.lanes import Lanes
 from pagedjax.host.requests.sequence import Sequence, Status
 from pagedjax.host.tiers.tier_cost import TierCosts
 
@@ -63,7 +71,16 @@ PREEMPTION_POLICIES = ('recompute', 'swap', 'auto')
 
 @dataclasses.dataclass
 class Plan:
-  """One iteration's work, in the order the engine must do it."""
+  """One iteration's work order, in the order the executor does it:
+
+    1. gather   swap_out's device blocks (to the swap store) and `demotions` (to the KV tiers),
+                then offload_out's (to the offload store): before anything below writes
+    2. copy     `copies` (copy-on-write) and `tier_copies` (tier-1 hits), in one call
+    3. scatter  swap_in's host blocks and `promotions` (from the KV tiers), in one call
+    4. step     `rows`: the prompt chunks, then the decodes, then the offloaded rows
+  preempted, forked and lanes record what the scheduler changed on the host (the update step
+  counts them); memory_blocked feeds the memory figures (metrics.py)."""
+  # (device blocks, host blocks) of every sequence swapped out now / swapped in now
   swap_out: List[Tuple[List[int], List[int]]] = dataclasses.field(default_factory=list)
   swap_in: List[Tuple[List[int], List[int]]] = dataclasses.field(default_factory=list)
   rows: List[Tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # (seq, tokens)
@@ -75,6 +92,13 @@ class Plan:
   # (device block, host block) of every block an offloaded sequence moves out of its window now
   # (host/scheduling/offload.py), copied out with the swap-outs, before anything is written
   offload_out: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+  # KV tiers (host/tiers/kv_tiers.py): blocks to copy down (kv_tiers.Demotion), device copies
+  # of blocks evicted this iteration and found again (source, destination), and blocks to load
+  # up before the steps (kv_tiers.Promotion)
+  demotions: list = dataclasses.field(default_factory=list)
+  tier_copies: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+  promotions: list = dataclasses.field(default_factory=list)
+  lanes: List[Tuple[Sequence, int]] = dataclasses.field(default_factory=list)  # handed out now
 
   @property
   def num_prefill_tokens(self) -> int:
@@ -129,6 +153,7 @@ class Scheduler:
     self.prefill_cap: Optional[int] = None  # prompt tokens per iteration at most (a throttle)
     self.host = host_allocator
     self.offload = offload
+    self.lanes = Lanes(max_batch_size)  # a running sequence's row in per-sequence device state
     self.waiting: List[Sequence] = []
     self.running: List[Sequence] = []
     self.swapped: List[Sequence] = []
@@ -141,11 +166,13 @@ class Scheduler:
     return bool(self.waiting or self.running or self.swapped)
 
   def finish(self, seq: Sequence, now: float) -> None:
+    """seq is done (or a beam was dropped): its blocks and lane go back."""
     self.running.remove(seq)
     self.blocks.end_turn(seq, now)
     self.blocks.deallocate(seq)
     if seq.window:
       self.offload.release(seq)
+    self.lanes.release(seq)
 
   def fork_running(self, parent: Sequence, child: Sequence) -> None:
     """A beam kept more than once (beam.py): child shares parent's blocks and runs beside it.
@@ -179,7 +206,23 @@ class Scheduler:
     if not plan.preempted and not self.swapped:
       # A throttle never starves an idle engine: with nothing running, one chunk goes in.
       self._admit(plan, budget if self.running else max(budget, 1))
+    self._hand_out_lanes(plan)
+    self._take_tier_work(plan)
     return plan
+
+  def _hand_out_lanes(self, plan: Plan) -> None:
+    for seq, _ in plan.preempted:
+      self.lanes.release(seq)
+    plan.lanes = self.lanes.assign(self.running)
+
+  def _take_tier_work(self, plan: Plan) -> None:
+    """Everything the KV tiers queued since the last plan becomes this plan's (module docstring,
+    step 6): nothing the executor runs comes from anywhere else."""
+    tiers = self.blocks.tiers
+    if tiers is not None:
+      plan.demotions = tiers.take_demotions()
+      plan.tier_copies = tiers.take_copies()
+      plan.promotions = tiers.take_promotions()
 
   def _fork_ready(self, plan: Plan) -> None:
     for seq in list(self.running):
@@ -348,6 +391,7 @@ class Scheduler:
     if seq.host_blocks:
       self.host.free(seq.host_blocks)
       seq.host_blocks = []
+    self.lanes.release(seq)
 
   def _preempt_one(self, seq: Sequence, plan: Plan, swap: bool) -> None:
     self.running.remove(seq)
