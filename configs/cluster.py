@@ -15,6 +15,17 @@ per load stage (llm-d ran minutes per stage), `workload.output_tokens` generated
 distinct: keys are over 64-token blocks); a request is a random tenant's prompt and a fresh
 question of a random one of its users. Every router row replays the same trace.
 `:tiny` is a seconds-long smoke run of the same pipeline (a 4-replica Llama-3-8B cluster).
+
+`:mooncake` is Mooncake's (FAST'25) local-vs-global cache comparison on its conversation trace
+(/work/shared/traces/mooncake_conversation.jsonl: 12,031 requests over 59 minutes, blocks of 512
+tokens by hash id): 10 prefill replicas of a Llama-3-70B-shaped model on 8 x A100 80GB (the
+paper's A800s), 3M tokens of cache each, outputs cut to one token; every router with local
+caches, then a few with one shared store of the replicas' pooled 30M tokens under them
+(pagedjax/cluster/sim.py's SharedStore). Scaled by `workload.length_scale` (1/8: blocks of 64
+tokens, the engines' block size, so the trace's reuse is kept block for block; the caches
+scale with it, 375 K tokens per replica) with arrival gaps scaled alike (`time_scale`), so the
+tokens per second the replicas see stay the trace's. `:tiny_mooncake` is its test-sized run
+(the first 300 requests at 1/64, 4 replicas of 2,048 tokens, three rows).
 """
 import ml_collections
 
@@ -28,6 +39,14 @@ QWEN3_32B = dict(name='Qwen3-32B', num_layers=64, d_model=5120, num_heads=64, nu
                  max_seq_len=40960)
 BLOCK_SIZE = 64  # llm-d's vLLM --block-size
 KV_TOKENS = 307_328  # per pod, as llm-d's benchmark reports
+# meta-llama/Meta-Llama-3-70B config.json: hidden 8192, 80 layers, 64 query / 8 KV heads of
+# 128, MLP 28672, vocabulary 128,256, untied embeddings, 8,192 positions (the trace's prompts
+# are longer: max_seq_len is the study's, as a long-context deployment would set it)
+LLAMA3_70B = dict(name='Llama-3-70B', num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8,
+                  head_dim=128, ffn_dim=28672, vocab_size=128256, tie_embeddings=False,
+                  max_seq_len=131072)
+MOONCAKE_TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
+MOONCAKE_CACHE_TOKENS = 3_000_000  # per prefill node (the paper's local cache)
 
 
 def router_rows():
@@ -55,6 +74,7 @@ def get_config(arg=None):
   config.engine.prefill_chunk = 512
   config.scheduler.max_num_batched_tokens = 4096
   config.workload = ml_collections.ConfigDict(dict(
+      kind='tenants',  # 'tenants' (llm-d's) or 'mooncake' (a block-hash trace; mooncake())
       tenants=150, prefix_tokens=6000, users_per_tenant=5, question_tokens=1200,
       output_tokens=128, rates=(3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0), stage_s=6.0,
       token_range=256, seed=0))
@@ -63,7 +83,10 @@ def get_config(arg=None):
       # the routing-cost measurement: every router deciding over this many replicas whose KV
       # index holds each tenant's prefix on `routing_copies` of them, `routing_requests` times
       routing_replicas=16, routing_copies=2, routing_requests=300,
-      route_goal_ms=1.0))
+      route_goal_ms=1.0,
+      # rows (by label) replayed again with one shared store of shared_store_blocks blocks under
+      # every replica (sim.py); its loads cost store_bytes_per_s and store_latency_s per batch
+      store_routers=(), shared_store_blocks=0, store_bytes_per_s=0.0, store_latency_s=0.0))
   if arg == 'tiny':
     config.sim.model = 'Llama-3-8B'
     config.sim.shape = ml_collections.ConfigDict(dict(
@@ -78,6 +101,42 @@ def get_config(arg=None):
                                 question_tokens=64, output_tokens=8, rates=(20.0, 80.0),
                                 stage_s=0.5))
     config.cluster.update(dict(replicas=4, routing_replicas=4, routing_requests=20))
+  elif arg in ('mooncake', 'tiny_mooncake'):
+    mooncake(config, tiny=arg == 'tiny_mooncake')
   elif arg:
-    raise ValueError(f'configs/cluster.py: unknown variant {arg!r}; allowed: tiny')
+    raise ValueError(f'configs/cluster.py: unknown variant {arg!r}; allowed: tiny, mooncake, '
+                     'tiny_mooncake')
+  config.variant = arg or 'full'
   return config
+
+
+def mooncake(config, tiny: bool = False) -> None:
+  """Mooncake's local-vs-global cache setup (module docstring)."""
+  scale = 1 / 64 if tiny else 1 / 8
+  block = int(512 * scale)
+  config.sim = simulate_vllm.simulation(LLAMA3_70B['name'], 'a100-80gb')
+  config.sim.shape = ml_collections.ConfigDict(LLAMA3_70B)
+  config.mesh.model = 8
+  config.pool.block_size = block
+  # per replica: 3M tokens at the scale (5,859 blocks of 64); the tiny one just holds its
+  # longest prompt (2,048 tokens), so only the trace's first requests' own reuse is kept
+  per_replica = 256 if tiny else int(MOONCAKE_CACHE_TOKENS * scale) // block
+  config.sim.num_blocks = config.pool.num_blocks = per_replica + 1  # + the null block
+  # the trace's longest prompt is 126,195 tokens: 15,775 at 1/8, 1,972 at 1/64
+  config.engine.update(dict(max_seq_len=2048 if tiny else 16384, max_batch_size=64,
+                            prefill_chunk=block * 8))
+  config.scheduler.max_num_batched_tokens = block * 64
+  config.workload = ml_collections.ConfigDict(dict(
+      kind='mooncake', path=MOONCAKE_TRACE, start=0, limit=300 if tiny else 0,  # 0: all
+      length_scale=scale, time_scale=scale, output_tokens=1))
+  replicas = 4 if tiny else 10
+  config.cluster.update(dict(
+      replicas=replicas,
+      routers=((('round_robin', 'round_robin', {}), ('precise', 'precise', {})) if tiny else
+               router_rows()),
+      store_routers=('precise',) if tiny else ('load_aware', 'precise', 'tier_cost'),
+      shared_store_blocks=replicas * per_replica,  # the replicas' caches pooled (30M tokens)
+      # Mooncake moves KV over RDMA (its prefill nodes have 8 x 200 Gb/s NICs): 100 GB/s and
+      # 100 us per batched load here, an assumption, not a measurement
+      store_bytes_per_s=100e9, store_latency_s=1e-4,
+      routing_replicas=16, routing_copies=2, routing_requests=20 if tiny else 300))

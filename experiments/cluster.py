@@ -16,6 +16,20 @@ seconds, so the figure depends on this machine and its load; the load average is
 The question the study answers (llm-d's finding): is the p90 TTFT ordering at high load precise
 < approximate < load-aware ~ random?
 
+  python -m experiments.cluster --config=configs/cluster.py:mooncake --workdir=runs/mooncake
+
+`workload.kind='mooncake'` (configs/cluster.py:mooncake) is another question, Mooncake's
+(FAST'25): how much more of the prompts does one cache shared by all replicas find than each
+replica's local cache, with each router? Every router row replays a block-hash trace with local
+caches, then the rows named in `cluster.store_routers` again with a shared store under the
+replicas (sim.py). Per row: the share of prompt tokens found cached when routed (device, and
+the shared store past it), the prompt tokens computed, prefill compute seconds by the cost
+model (computed tokens x prefill s/token, plus the store's loads at store_bytes_per_s), TTFT
+(simulated; local-cache timing in every row: a simulated pool holds no contents to load), the
+routing time in the run, and the routing cost at `routing_replicas` replicas. Writes
+routers.csv, table.md, mooncake.png and summary.json (with the shared / local hit-rate ratios
+set beside the paper's 1.38-2.36x).
+
 Writes to WORKDIR:
   stages.csv        per router and stage: the figures above
   routers.csv       per router, over the whole trace (and the routing cost)
@@ -40,7 +54,9 @@ from pagedjax.cluster.index import KVIndex
 from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster, latency_figures
 from pagedjax.config import Config, ConfigError
 from pagedjax.host import kv_events
+from pagedjax.host.tiers import tier_cost
 from pagedjax.sim import hardware, simulated_device
+from pagedjax.studies import workloads
 
 STAGE_COLUMNS = ('router', 'rate', 'finished_requests', 'ttft_p50_s', 'ttft_p90_s',
                  'ttft_p99_s', 'tpot_p50_s', 'tpot_p90_s', 'tpot_p99_s', 'requests_per_s',
@@ -55,30 +71,35 @@ REPLICA_COLUMNS = ('router', 'replica', 'requests', 'prefix_hit_rate_tokens',
                    'prompt_tokens_computed', 'prefix_cache_evictions', 'preemptions',
                    'ttft_p50_s', 'ttft_p90_s', 'ttft_p99_s')
 ORDER = ('precise', 'approximate', 'load_aware', 'random')  # the ordering the study checks
+MOONCAKE_COLUMNS = ('router', 'cache', 'finished_requests', 'hit_rate_with_store_tokens',
+                    'cached_at_routing_fraction', 'hit_rate_shared_tokens',
+                    'prefix_hit_rate_tokens', 'prompt_tokens_computed_with_store',
+                    'prefill_compute_s', 'ttft_p50_s', 'ttft_p90_s', 'imbalance_requests',
+                    'imbalance_prefill', 'route_p50_ms', 'route_p99_ms', 'routing_p50_ms',
+                    'routing_p99_ms', 'routing_max_ms', 'simulator_wall_s')
+PAPER_RATIO = (1.38, 2.36)  # Mooncake FAST'25: global cache hit rate / local caches'
+WORKLOAD_KINDS = ('tenants', 'mooncake')
 
 
 def model_shape(config) -> sizing.ModelShape:
   return sizing.ModelShape(**config.sim.shape.to_dict())
 
 
+def _fail(name, value, allowed):
+  raise ConfigError(f'config.{name}={value!r} is not allowed: {allowed}')
+
+
 def check(config) -> None:
   """Config errors named before anything runs."""
   w, c = config.workload, config.cluster
-
-  def fail(name, value, allowed):
-    raise ConfigError(f'config.{name}={value!r} is not allowed: {allowed}')
-  for name in ('tenants', 'prefix_tokens', 'users_per_tenant', 'question_tokens',
-               'output_tokens', 'token_range'):
-    if not isinstance(w[name], int) or w[name] < 1:
-      fail(f'workload.{name}', w[name], 'an integer >= 1')
-  if not w.rates or any(not isinstance(r, (int, float)) or r <= 0 for r in w.rates):
-    fail('workload.rates', w.rates, 'a non-empty list of requests/s > 0')
-  if not w.stage_s > 0:
-    fail('workload.stage_s', w.stage_s, 'simulated seconds > 0')
-  longest = w.prefix_tokens + w.question_tokens + w.output_tokens
-  if longest > config.engine.max_seq_len:
-    fail('workload.prefix_tokens', w.prefix_tokens, f'prefix + question + output tokens ('
-         f'{longest}) at most engine.max_seq_len={config.engine.max_seq_len}')
+  fail = _fail
+  kind = w.get('kind', 'tenants')
+  if kind not in WORKLOAD_KINDS:
+    fail('workload.kind', kind, f'one of {WORKLOAD_KINDS}')
+  if kind == 'mooncake':
+    check_mooncake(config)
+  else:
+    check_tenants(config)
   for name in ('replicas', 'routing_replicas', 'routing_copies', 'routing_requests'):
     if not isinstance(c[name], int) or c[name] < 1:
       fail(f'cluster.{name}', c[name], 'an integer >= 1')
@@ -97,15 +118,59 @@ def check(config) -> None:
       routers_lib.make_router(name, **dict(kwargs))
     except (ValueError, TypeError) as e:
       fail(f'cluster.routers[{label!r}]', name, str(e))
+  unknown = [label for label in c.get('store_routers', ()) if label not in labels]
+  if unknown:
+    fail('cluster.store_routers', tuple(c.store_routers), f'labels of cluster.routers {labels}')
+  if c.get('store_routers'):
+    if not isinstance(c.shared_store_blocks, int) or c.shared_store_blocks < 1:
+      fail('cluster.shared_store_blocks', c.shared_store_blocks,
+           'an integer >= 1 when cluster.store_routers names rows')
+    if not c.store_bytes_per_s > 0 or not c.store_latency_s >= 0:
+      fail('cluster.store_bytes_per_s', c.store_bytes_per_s,
+           'bytes/s > 0 (and store_latency_s >= 0) when cluster.store_routers names rows')
   if not config.prefix_cache.enabled:
     fail('prefix_cache.enabled', False, 'True (a replica reuses cached prefixes)')
   model_shape(config)  # the shape's own checks (ValueError naming the field)
   hardware.get_hardware(config.sim.hardware)
 
 
+def check_mooncake(config) -> None:
+  w = config.workload
+  if not os.path.isfile(w.path):
+    _fail('workload.path', w.path, 'a block-hash trace file (JSON lines, Mooncake\'s format)')
+  for name in ('start', 'limit'):
+    if not isinstance(w[name], int) or w[name] < 0:
+      _fail(f'workload.{name}', w[name], 'an integer >= 0 (limit 0: to the end)')
+  if not isinstance(w.output_tokens, int) or w.output_tokens < 1:
+    _fail('workload.output_tokens', w.output_tokens, 'an integer >= 1')
+  if not 0 < w.length_scale <= 1:
+    _fail('workload.length_scale', w.length_scale, 'a number in (0, 1]')
+  if not w.time_scale > 0:
+    _fail('workload.time_scale', w.time_scale, 'a number > 0')
+
+
+def check_tenants(config) -> None:
+  w = config.workload
+  fail = _fail
+  for name in ('tenants', 'prefix_tokens', 'users_per_tenant', 'question_tokens',
+               'output_tokens', 'token_range'):
+    if not isinstance(w[name], int) or w[name] < 1:
+      fail(f'workload.{name}', w[name], 'an integer >= 1')
+  if not w.rates or any(not isinstance(r, (int, float)) or r <= 0 for r in w.rates):
+    fail('workload.rates', w.rates, 'a non-empty list of requests/s > 0')
+  if not w.stage_s > 0:
+    fail('workload.stage_s', w.stage_s, 'simulated seconds > 0')
+  longest = w.prefix_tokens + w.question_tokens + w.output_tokens
+  if longest > config.engine.max_seq_len:
+    fail('workload.prefix_tokens', w.prefix_tokens, f'prefix + question + output tokens ('
+         f'{longest}) at most engine.max_seq_len={config.engine.max_seq_len}')
+
+
 def make_trace(config) -> list:
   """The stages' Poisson arrivals; a request is a random tenant's prefix + a random user's
-  fresh question (token ids below workload.token_range)."""
+  fresh question (token ids below workload.token_range). A 'mooncake' workload: mooncake_trace."""
+  if config.workload.get('kind', 'tenants') == 'mooncake':
+    return mooncake_trace(config)[0]
   w = config.workload
   rng = np.random.default_rng(w.seed)
   draw = lambda n: [int(t) for t in rng.integers(0, w.token_range, n)]
@@ -126,6 +191,25 @@ def make_trace(config) -> list:
   return requests
 
 
+def mooncake_trace(config) -> tuple:
+  """(requests, left out): the block-hash trace's requests (studies/workloads.py
+  block_trace_requests: each hash id its own block of tokens, blocks and arrival gaps scaled),
+  each asking for workload.output_tokens; prompts longer than engine.max_seq_len minus that are
+  left out (counted)."""
+  w = config.workload
+  vocab = model_shape(config).vocab_size
+  requests, dropped = [], 0
+  for r in workloads.block_trace_requests(w.path, vocab, start=w.start, limit=w.limit or None,
+                                          time_scale=w.time_scale,
+                                          length_scale=w.length_scale):
+    if len(r.prompt_ids) + w.output_tokens > config.engine.max_seq_len:
+      dropped += 1
+      continue
+    requests.append(ClusterRequest(len(requests), r.prompt_ids, w.output_tokens, r.arrival_time,
+                                   user=r.conversation_id))
+  return requests, dropped
+
+
 def make_engines(config, n: int) -> tuple:
   """n simulated replicas and each one's tier cost model (host/tiers/tier_cost.py)."""
   typed = Config.from_configdict(config)
@@ -140,38 +224,59 @@ def make_engines(config, n: int) -> tuple:
   return engines, costs
 
 
-def run_router(config, row, requests) -> tuple:
+def store_costs(config, cost: tier_cost.TierCosts) -> tier_cost.TierCosts:
+  """A replica's cost model with the shared store as its tier 3 (cluster.store_bytes_per_s,
+  store_latency_s, behind the host link)."""
+  c = config.cluster
+  return tier_cost.TierCosts.for_tiers(cost.block_size, cost.block_bytes,
+                                       cost.prefill_s_per_token,
+                                       (cost.bytes_per_s[2], cost.latency_s[2]),
+                                       (c.store_bytes_per_s, c.store_latency_s))
+
+
+def run_router(config, row, requests, shared_store: bool = False) -> tuple:
   label, name, kwargs = row
   engines, costs = make_engines(config, config.cluster.replicas)
-  cluster = SimulatedCluster(engines, routers_lib.make_router(name, **dict(kwargs)), costs)
+  store_blocks = config.cluster.shared_store_blocks if shared_store else 0
+  if shared_store:
+    costs = [store_costs(config, cost) for cost in costs]
+  cluster = SimulatedCluster(engines, routers_lib.make_router(name, **dict(kwargs)), costs,
+                             shared_store_blocks=store_blocks)
   cluster.run(requests)
   overall = {**cluster.figures(), 'router': label, 'router_class': name}
   stages = []
-  for rate in config.workload.rates:
+  for rate in config.workload.get('rates', ()):
     mine = [o for o in cluster.outcomes if o.label == float(rate)]
     stages.append({'router': label, 'rate': float(rate), **latency_figures(mine)})
   replicas = [{'router': label, **r} for r in cluster.replica_figures()]
   return overall, stages, replicas, cluster
 
 
-def routing_cost(config, row, requests) -> dict:
+def routing_cost(config, row, requests, shared_store: bool = False) -> dict:
   """Per-request decision time over routing_replicas replicas whose index holds each tenant's
-  prefix blocks (as KV events would have announced them) on routing_copies replicas."""
+  prefix blocks (as KV events would have announced them) on routing_copies replicas; for a
+  block-hash trace, each routed prompt's blocks on routing_copies replicas. With a shared
+  store, those blocks are also in it (the index's shared medium: every replica is matched)."""
   c, bs = config.cluster, config.pool.block_size
   label, name, kwargs = row
   router = routers_lib.make_router(name, **dict(kwargs))
-  index = KVIndex()
+  index = KVIndex(shared_media=(kv_events.MEDIUM_DISK,) if shared_store else ())
   if getattr(router, 'index', False) is None:
     router.index = index
   rng = np.random.default_rng(1)
   prefixes = {}
-  for r in requests:
-    prefixes.setdefault(r.tenant, r.prompt_ids[:config.workload.prefix_tokens])
+  if config.workload.get('kind', 'tenants') == 'mooncake':
+    prefixes = {r.request_id: r.prompt_ids for r in requests[:c.routing_requests]}
+  else:
+    for r in requests:
+      prefixes.setdefault(r.tenant, r.prompt_ids[:config.workload.prefix_tokens])
   for tenant, prefix in prefixes.items():
     keys = routers_lib.RouteRequest(-1, prefix).keys(bs)
     for replica in rng.choice(c.routing_replicas, c.routing_copies, replace=False):
       index.apply(int(replica), [kv_events.BlockStored((k,), None, (), bs, None, 'GPU')
                                  for k in keys])
+    if shared_store:
+      index.apply(0, [kv_events.BlockStored(tuple(keys), None, (), bs, None, 'DISK')])
   states = [routers_lib.ReplicaState(i, capacity_blocks=config.pool.num_blocks - 1,
                                      block_size=bs, num_waiting=int(rng.integers(0, 8)),
                                      num_running=int(rng.integers(0, 32)),
@@ -236,7 +341,126 @@ def plot(stages: list, config, workdir: str) -> None:
   plt.close(fig)
 
 
+def prefill_compute_s(cluster: SimulatedCluster, cost: tier_cost.TierCosts) -> float:
+  """Prefill compute by the cost model: the prompt tokens computed (with the store's tokens
+  loaded, not computed) at prefill s/token, plus each request's load from the store."""
+  computed = cluster.figures()['prompt_tokens_computed_with_store']
+  loads = sum(cost.load_s([3] * -(-o.shared_at_routing // cost.block_size))
+              for o in cluster.outcomes if o.shared_at_routing)
+  return computed * cost.prefill_s_per_token + loads
+
+
+def mooncake_rows(config, requests) -> list:
+  """One row per router with local caches, then per cluster.store_routers row with the store."""
+  c = config.cluster
+  runs = [(row, False) for row in c.routers]
+  runs += [(row, True) for label in c.store_routers for row in c.routers if row[0] == label]
+  rows = []
+  for row, shared in runs:
+    overall, _, _, cluster = run_router(config, row, requests, shared_store=shared)
+    cost = cluster.replicas[0].state.cost
+    if not shared:  # a local run's figures still cost the store's loads as 0 (it has none)
+      cost = store_costs(config, cost) if c.get('store_routers') else cost
+    overall.update(cache='shared' if shared else 'local',
+                   prefill_compute_s=prefill_compute_s(cluster, cost),
+                   **routing_cost(config, row, requests, shared))
+    rows.append(overall)
+    print(f"{row[0]:>12} ({overall['cache']:>6}): hit rate "
+          f"{overall['hit_rate_with_store_tokens']:.3f}, prefill compute "
+          f"{overall['prefill_compute_s']:.0f} s, routing p99 {overall['routing_p99_ms']:.3f} ms "
+          f"at {overall['routing_replicas']} replicas; simulated in "
+          f"{overall['simulator_wall_s']:.0f} s", flush=True)
+    del cluster
+  return rows
+
+
+def compare_caches(rows: list) -> dict:
+  """Shared / local hit rate and prefill compute: per router run both ways, and against the
+  best local row (Mooncake's comparison: its local caches with prefix-match scheduling)."""
+  local = {r['router']: r for r in rows if r['cache'] == 'local'}
+  best = max(local.values(), key=lambda r: r['hit_rate_with_store_tokens'])
+  out = {'best_local_router': best['router'],
+         'best_local_hit_rate': best['hit_rate_with_store_tokens'], 'paper_ratio': PAPER_RATIO,
+         'shared': []}
+  ratio = lambda a, b: a / b if b else None
+  for r in rows:
+    if r['cache'] != 'shared':
+      continue
+    same = local.get(r['router'])
+    out['shared'].append({
+        'router': r['router'], 'hit_rate': r['hit_rate_with_store_tokens'],
+        'hit_ratio_vs_same_router_local': ratio(r['hit_rate_with_store_tokens'],
+                                                same['hit_rate_with_store_tokens']),
+        'hit_ratio_vs_best_local': ratio(r['hit_rate_with_store_tokens'],
+                                         best['hit_rate_with_store_tokens']),
+        'prefill_compute_vs_same_router_local': ratio(r['prefill_compute_s'],
+                                                      same['prefill_compute_s']),
+        'prefill_compute_vs_best_local': ratio(r['prefill_compute_s'],
+                                               best['prefill_compute_s'])})
+  return out
+
+
+def plot_mooncake(rows: list, config, workdir: str, title: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  names = [f"{r['router']}\n({r['cache']})" for r in rows]
+  colors = ['tab:orange' if r['cache'] == 'shared' else 'tab:blue' for r in rows]
+  for ax, key, label in ((axes[0], 'hit_rate_with_store_tokens', 'prompt share found cached'),
+                         (axes[1], 'prefill_compute_s', 'prefill compute (s, cost model)')):
+    ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+    ax.set_xticks(range(len(rows)), names, fontsize=7)
+    ax.set_title(label)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'mooncake.png'), dpi=100)
+  plt.close(fig)
+
+
+def mooncake_study(config, workdir: str) -> dict:
+  load_before = os.getloadavg()
+  requests, dropped = mooncake_trace(config)
+  c, w = config.cluster, config.workload
+  tokens = (config.pool.num_blocks - 1) * config.pool.block_size
+  title = (f'{c.replicas} x {model_shape(config).name} on {config.mesh.model} x '
+           f'{hardware.get_hardware(config.sim.hardware).name}, {tokens:,} cache tokens each, '
+           f'shared store {c.shared_store_blocks * config.pool.block_size:,} tokens; '
+           f'{len(requests)} requests of {os.path.basename(w.path)} at length scale '
+           f'{w.length_scale:g}, {w.output_tokens} output token (simulated)'
+           f'{cli.variant_note(config)}')
+  print(f'{title} ({dropped} left out as longer than max_seq_len)', flush=True)
+  rows = mooncake_rows(config, requests)
+  comparison = compare_caches(rows)
+  run_info.write_csv(os.path.join(workdir, 'routers.csv'), rows, MOONCAKE_COLUMNS)
+  lines = [f"- {s['router']} with the shared store: hit rate {s['hit_rate']:.3f}, "
+           f"{s['hit_ratio_vs_same_router_local']:.2f}x its local run's and "
+           f"{s['hit_ratio_vs_best_local']:.2f}x the best local router's "
+           f"({comparison['best_local_router']}, {comparison['best_local_hit_rate']:.3f}); "
+           f"prefill compute {s['prefill_compute_vs_best_local']:.2f}x the best local's"
+           for s in comparison['shared']]
+  table = (f'{title}\n\n{run_info.markdown_table(rows, MOONCAKE_COLUMNS)}\n\n'
+           + '\n'.join(lines) + f'\n\n(Mooncake FAST\'25: {PAPER_RATIO[0]}-{PAPER_RATIO[1]}x)\n')
+  cli.write_table(workdir, table)
+  plot_mooncake(rows, config, workdir, title)
+  worst = max(r['routing_p99_ms'] for r in rows)
+  summary = {
+      'setting': title, 'simulated': True, 'requests': len(requests),
+      'left_out_too_long': dropped, 'comparison': comparison, 'routers': rows,
+      'routing_cost': {'goal_ms': c.route_goal_ms, 'worst_p99_ms': worst,
+                       'met': worst <= c.route_goal_ms, 'replicas': c.routing_replicas,
+                       'note': 'wall time on this machine, under its load'},
+      'timing_note': ('TTFT is simulated with local-cache timing in every row (a simulated '
+                      'pool holds no contents to load); prefill_compute_s is the cost model\'s'),
+      'load_average': {'start': load_before, 'end': os.getloadavg()},
+      **run_info.summary_fields(config)}
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  return summary
+
+
 def study(config, workdir: str) -> dict:
+  if config.workload.get('kind', 'tenants') == 'mooncake':
+    return mooncake_study(config, workdir)
   load_before = os.getloadavg()
   requests = make_trace(config)
   print(f'{setting(config)}: {len(requests)} requests over {len(config.workload.rates)} '

@@ -1,7 +1,10 @@
 """The simulated cluster (pagedjax/cluster/sim.py) and its study (experiments/cluster.py), on the
 tiny config: the KV index kept from events equals every replica's device cache after a run,
 every request finishes once on the replica it was routed to and after it arrived, prefix-aware
-routing finds more of each prompt cached than random routing, and the study writes its files."""
+routing finds more of each prompt cached than random routing, and the study writes its files.
+With a shared store: the index's shared holder is exactly the store, the store finds more of
+the prompts than local caches do under prefix-blind routing, and the Mooncake study's tiny run
+writes its comparison."""
 import functools
 import json
 import os
@@ -10,6 +13,7 @@ import pytest
 
 from configs import cluster as cluster_config
 from experiments import cluster as study_lib
+from pagedjax.cluster import index as index_lib
 from pagedjax.cluster import routers
 from pagedjax.cluster.sim import SimulatedCluster
 from pagedjax.config import ConfigError
@@ -25,10 +29,11 @@ def trace():
 
 
 @functools.lru_cache(maxsize=None)
-def run(router: str) -> SimulatedCluster:
+def run(router: str, store_blocks: int = 0) -> SimulatedCluster:
   cfg = config()
   engines, costs = study_lib.make_engines(cfg, cfg.cluster.replicas)
-  cluster = SimulatedCluster(engines, routers.make_router(router), costs)
+  cluster = SimulatedCluster(engines, routers.make_router(router), costs,
+                             shared_store_blocks=store_blocks)
   cluster.run(trace())
   return cluster
 
@@ -66,6 +71,45 @@ def test_prefix_aware_routing_finds_more_cached_than_random():
   assert precise['route_p99_ms'] is not None and precise['kv_index_events'] > 0
 
 
+def test_a_shared_store_is_in_the_index_for_every_replica_and_finds_more():
+  """Under round robin (prefix-blind), 4 replicas of 96 blocks each and one store of their
+  pooled 384: the index's shared holder holds exactly the store's blocks; the store finds a
+  larger share of the prompts than the replicas' own caches do, and its hits are counted
+  beside them."""
+  local, shared = run('round_robin'), run('round_robin', 4 * 96)
+  store = shared.store
+  assert 0 < len(store) <= 384 and store.evicted > 0
+  assert shared.index.blocks(index_lib.SHARED, 'DISK') == set(store.keys())
+  assert all(not shared.index.blocks(r, 'DISK') for r in range(4))  # none per replica
+  f, g = shared.figures(), local.figures()
+  assert f['shared_store'] and f['hit_rate_shared_tokens'] > 0.1
+  assert f['hit_rate_with_store_tokens'] > g['hit_rate_with_store_tokens'] + 0.1
+  assert g['hit_rate_shared_tokens'] == 0 and g['prompt_tokens_shared'] == 0
+  assert (f['prompt_tokens_computed_with_store'] ==
+          f['prompt_tokens_computed'] - f['prompt_tokens_shared'])
+  # every replica counts a store block for the precise router: a prompt whose blocks only the
+  # store holds matches on all of them
+  keys = routers.RouteRequest(-1, trace()[-1].prompt_ids).keys(config().pool.block_size)
+  held = shared.index.match(keys, range(4))
+  assert len(held) == 4 and all(held[r] for r in range(4))
+
+
+def test_mooncake_study_compares_local_caches_with_a_shared_store(tmp_path):
+  cfg = cluster_config.get_config('tiny_mooncake')
+  study_lib.check(cfg)
+  summary = study_lib.study(cfg, str(tmp_path))
+  for name in ('routers.csv', 'table.md', 'mooncake.png', 'summary.json'):
+    assert os.path.getsize(tmp_path / name) > 0, name
+  rows = [(r['router'], r['cache']) for r in summary['routers']]
+  assert rows == [('round_robin', 'local'), ('precise', 'local'), ('precise', 'shared')]
+  assert all(r['finished_requests'] == summary['requests'] == 300 for r in summary['routers'])
+  shared = summary['comparison']['shared'][0]
+  assert shared['router'] == 'precise' and shared['hit_ratio_vs_same_router_local'] >= 1
+  assert summary['routers'][2]['hit_rate_shared_tokens'] > 0
+  assert all(r['routing_replicas'] == 16 and r['routing_p50_ms'] > 0 for r in summary['routers'])
+  assert json.loads((tmp_path / 'summary.json').read_text())['variant'] == 'tiny_mooncake'
+
+
 def test_study_writes_its_files(tmp_path):
   cfg = config()
   cfg.cluster.routers = tuple(r for r in cfg.cluster.routers if r[0] in study_lib.ORDER)
@@ -93,4 +137,16 @@ def test_check_names_the_bad_field():
   cfg = config()
   cfg.workload.prefix_tokens = 4000
   with pytest.raises(ConfigError, match='at most engine.max_seq_len=1024'):
+    study_lib.check(cfg)
+  cfg = cluster_config.get_config('tiny_mooncake')
+  cfg.cluster.store_routers = ('nearest',)
+  with pytest.raises(ConfigError, match=r"cluster\.store_routers=\('nearest',\) is not allowed"):
+    study_lib.check(cfg)
+  cfg = cluster_config.get_config('tiny_mooncake')
+  cfg.cluster.shared_store_blocks = 0
+  with pytest.raises(ConfigError, match=r'cluster\.shared_store_blocks=0 is not allowed'):
+    study_lib.check(cfg)
+  cfg = cluster_config.get_config('tiny_mooncake')
+  cfg.workload.path = '/no/such/trace.jsonl'
+  with pytest.raises(ConfigError, match=r'workload\.path=.*block-hash trace'):
     study_lib.check(cfg)

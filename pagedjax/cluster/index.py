@@ -127,6 +127,10 @@ class KVIndex:
   def num_blocks(self, replica: int, medium: str = kv_events.MEDIUM_GPU) -> int:
     return len(self._keys[replica][medium]) if replica in self._keys else 0
 
+  def blocks(self, replica: int, medium: str = kv_events.MEDIUM_GPU) -> frozenset:
+    """The keys a replica (or SHARED, for a shared medium) holds in a medium."""
+    return frozenset(self._keys[replica][medium]) if replica in self._keys else frozenset()
+
   def holders(self, key: int) -> Dict[int, List[int]]:
     """replica -> the tiers holding this block there."""
     return {r: [t for t in kv_events.MEDIUM_OF_TIER if mask >> t & 1]

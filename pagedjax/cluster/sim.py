@@ -12,7 +12,21 @@ event is whichever comes first:
                   (index.py), as a per-iteration publication would, and its ReplicaState is
                   refreshed from the engine
 So a replica never runs ahead of an arrival it could have seen, and a router sees each replica
-as of its last iteration. Replicas are independent otherwise (no shared host tier).
+as of its last iteration.
+
+A shared store (`shared_store_blocks` > 0; Mooncake Store, LMCache, or the replicas' disk tiers
+on one disk_store.make_shared store): one LRU store of that many blocks under every replica.
+Every block a replica's device cache keys is written to it (its BlockStored(GPU) events), and
+the store's own stores and evictions go into the KV index as medium DISK, which the index
+shares among all replicas (KVIndex(shared_media=('DISK',))), so the precise and tier-aware
+routers count a store block on every replica at disk cost. At submission, the prompt's blocks
+past what the replica's device cache holds that the store holds (as a prefix) are the
+request's shared hits: `Outcome.shared_at_routing` tokens, counted in the figures as
+`hit_rate_shared_tokens` and subtracted from the prompt tokens computed
+(`prompt_tokens_computed_with_store`; loading them costs `tier_cost`'s disk figures). A
+simulated pool holds no block contents, so the simulated replica still computes those tokens:
+its device time, and so TTFT and throughput, are those of local caches; the hit rates and the
+compute saved are the shared store's.
 
 Queued prefill work (ReplicaState.queued_prefill_tokens): for each request routed to a replica
 and not yet prefilled, the prompt tokens its device cache did not hold at routing time, and for
@@ -20,6 +34,7 @@ running ones what is left of their prompt. Figures (`figures`): per replica and 
 the prefix hit rate by tier, TTFT and TPOT p50/p90/p99, throughput, load imbalance (max / mean
 of requests and of prompt tokens computed per replica), and the router's decision time.
 """
+import collections
 import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence as Seq
@@ -60,6 +75,7 @@ class Outcome:
   output_len: int
   cached_at_routing: int  # prompt tokens its replica's device cache held when it was routed
   route_s: float  # the router's decision, wall seconds on this machine
+  shared_at_routing: int = 0  # prompt tokens past those that the shared store held
 
   @property
   def ttft_s(self) -> float:
@@ -70,6 +86,60 @@ class Outcome:
     if self.output_len < 2:
       return None
     return (self.finish_time - self.first_token_time) / (self.output_len - 1)
+
+
+class SharedStore:
+  """One store of `capacity_blocks` blocks (chain keys) every replica writes to and reads
+  from, least recently used first out (see the module docstring). It announces what it stores
+  and evicts as KV events of medium DISK (`events`, drained by the cluster)."""
+
+  def __init__(self, capacity_blocks: int, block_size: int):
+    if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+      raise ValueError(f'shared_store_blocks={capacity_blocks!r} is not allowed: an integer >= 1 '
+                       '(0: no shared store)')
+    self.capacity, self.block_size = capacity_blocks, block_size
+    self._lru: collections.OrderedDict = collections.OrderedDict()
+    self.events: List[kv_events.KVEvent] = []
+    self.stored = self.evicted = 0
+
+  def __len__(self) -> int:
+    return len(self._lru)
+
+  def __contains__(self, key: int) -> bool:
+    return key in self._lru
+
+  def keys(self) -> List[int]:
+    """The blocks held, least recently used first."""
+    return list(self._lru)
+
+  def put(self, keys) -> None:
+    new = []
+    for key in keys:
+      if key in self._lru:
+        self._lru.move_to_end(key)
+        continue
+      self._lru[key] = None
+      new.append(key)
+    gone = []
+    while len(self._lru) > self.capacity:
+      gone.append(self._lru.popitem(last=False)[0])
+    self.stored += len(new)
+    self.evicted += len(gone)
+    if new:
+      self.events.append(kv_events.BlockStored(tuple(new), None, (), self.block_size, None,
+                                               kv_events.MEDIUM_DISK))
+    if gone:
+      self.events.append(kv_events.BlockRemoved(tuple(gone), kv_events.MEDIUM_DISK))
+
+  def prefix(self, keys, start: int) -> int:
+    """How many of keys[start:] the store holds, in order from start (each one touched)."""
+    n = 0
+    for key in keys[start:]:
+      if key not in self._lru:
+        break
+      self._lru.move_to_end(key)
+      n += 1
+    return n
 
 
 class Replica:
@@ -83,37 +153,58 @@ class Replica:
     self.log = kv_events.EventLog(engine.prefix_cache.events, rank=index)
     self.state = ReplicaState(index, capacity_blocks=engine.allocator.num_blocks - 1,
                               block_size=engine.block_size, cost=cost)
-    self.requests: Dict[int, tuple] = {}  # engine request id -> (ClusterRequest, cached, route_s)
+    # engine request id -> (ClusterRequest, cached, route_s, shared)
+    self.requests: Dict[int, tuple] = {}
     self.routed = 0
 
   def has_work(self) -> bool:
     return self.engine.has_work()
 
-  def device_prefix_tokens(self, request: RouteRequest) -> int:
-    """Prompt tokens whose blocks this replica's device cache holds now (as its next admission
+  def device_prefix_blocks(self, request: RouteRequest) -> int:
+    """Prompt blocks this replica's device cache holds now, as a prefix (as its next admission
     would find them, short of a hash collision)."""
     cache, n = self.engine.prefix_cache, 0
     for key in request.keys(self.engine.block_size):
       if cache.block_of(key) is None:
         break
       n += 1
-    return min(n * self.engine.block_size, len(request.prompt_ids) - 1)
+    return n
 
-  def submit(self, request: ClusterRequest, route: RouteRequest, route_s: float) -> None:
-    cached = self.device_prefix_tokens(route)
+  def device_prefix_tokens(self, request: RouteRequest) -> int:
+    return self._tokens(self.device_prefix_blocks(request), request)
+
+  def _tokens(self, blocks: int, request: RouteRequest) -> int:
+    """Prompt tokens of `blocks` leading blocks (never the last token: it is always computed)."""
+    return min(blocks * self.engine.block_size, len(request.prompt_ids) - 1)
+
+  def submit(self, request: ClusterRequest, route: RouteRequest, route_s: float,
+             store: Optional[SharedStore] = None) -> None:
+    device = self.device_prefix_blocks(route)
+    cached = self._tokens(device, route)
+    shared = 0
+    if store is not None:
+      held = store.prefix(route.keys(self.engine.block_size), device)
+      shared = self._tokens(device + held, route) - cached
     local = self.engine.submit(request.prompt_ids, SamplingParams(
         max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
                                arrival_time=request.arrival_time)
-    self.requests[local] = (request, cached, route_s)
+    self.requests[local] = (request, cached, route_s, shared)
     self.routed += 1
     self.state.num_waiting += 1
-    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached
+    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached - shared
 
-  def step(self, index: KVIndex) -> list:
+  def step(self, index: KVIndex, store: Optional[SharedStore] = None) -> list:
     done = self.engine.step()
     batch = self.log.drain(self.engine.clock)
     if batch is not None:
       index.apply(self.index, batch)
+      if store is not None:  # every block the device cache keyed is written to the store
+        for event in batch.events:
+          if isinstance(event, kv_events.BlockStored) and event.medium in (
+              None, kv_events.MEDIUM_GPU):
+            store.put(event.block_hashes)
+        index.apply(self.index, store.events)  # medium DISK: the index's shared holder
+        store.events.clear()
     self.refresh()
     return done
 
@@ -122,7 +213,8 @@ class Replica:
     e, s = self.engine, self.state
     waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
     s.num_waiting, s.num_running = len(waiting), len(e.running)
-    queued = sum(len(seq.prompt_ids) - self.requests[seq.request_id][1] for seq in waiting
+    queued = sum(len(seq.prompt_ids) - self.requests[seq.request_id][1] -
+                 self.requests[seq.request_id][3] for seq in waiting
                  if seq.request_id in self.requests)
     queued += sum(max(0, len(seq.prompt_ids) - seq.num_cached) for seq in e.running)
     s.queued_prefill_tokens = queued
@@ -132,13 +224,19 @@ class Replica:
 
 class SimulatedCluster:
 
-  def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None):
+  def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None,
+               shared_store_blocks: int = 0):
     """engines: simulated (or real) engines with prefix caching; costs: each one's
-    tier_cost.TierCosts for routers that weigh costs (None: ReplicaState.cost stays None)."""
+    tier_cost.TierCosts for routers that weigh costs (None: ReplicaState.cost stays None);
+    shared_store_blocks: a shared store of that many blocks under every replica (0: none;
+    module docstring)."""
     if not engines:
       raise ValueError('a cluster needs at least one replica')
     self.replicas = [Replica(i, e, costs[i] if costs else None) for i, e in enumerate(engines)]
-    self.router, self.index = router, KVIndex()
+    self.store = (SharedStore(shared_store_blocks, engines[0].block_size)
+                  if shared_store_blocks else None)
+    self.router = router
+    self.index = KVIndex(shared_media=(kv_events.MEDIUM_DISK,) if self.store is not None else ())
     if getattr(router, 'index', False) is None:
       router.index = self.index  # routers that read the KV index read the cluster's
     self.outcomes: List[Outcome] = []
@@ -160,7 +258,7 @@ class SimulatedCluster:
         self._route(pending[i], states)
         i += 1
       else:
-        for c in first.step(self.index):
+        for c in first.step(self.index, self.store):
           self._finished(first, c)
     self.wall_s = time.perf_counter() - start
     return self.outcomes
@@ -173,15 +271,15 @@ class SimulatedCluster:
     self.router.routed(route, pick)
     route_s = time.perf_counter() - t0
     try:
-      self.replicas[pick].submit(request, route, route_s)
+      self.replicas[pick].submit(request, route, route_s, self.store)
     except RequestError as e:
       self.rejected.append((request.request_id, pick, str(e)))
 
   def _finished(self, replica: Replica, c) -> None:
-    request, cached, route_s = replica.requests.pop(c.request_id)
+    request, cached, route_s, shared = replica.requests.pop(c.request_id)
     self.outcomes.append(Outcome(
         request.request_id, replica.index, request.label, c.arrival_time, c.first_token_time,
-        c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s))
+        c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s, shared))
 
   # ---- figures -----------------------------------------------------------------------------
 
@@ -200,9 +298,14 @@ class SimulatedCluster:
     out['hit_rate_tier1_tokens'] = out['prefix_hit_rate_tokens']
     computed = [s['prompt_tokens_computed'] for s in summaries]
     routed = [r.routed for r in self.replicas]
+    shared = sum(o.shared_at_routing for o in outcomes)
     out.update(
         replicas=len(self.replicas), router=self.router.name,
+        shared_store=self.store is not None,
+        shared_store_blocks=self.store.capacity if self.store is not None else 0,
         prompt_tokens_computed=int(sum(computed)),
+        prompt_tokens_shared=int(shared),
+        prompt_tokens_computed_with_store=max(0, int(sum(computed)) - shared),
         imbalance_requests=_max_over_mean(routed), imbalance_prefill=_max_over_mean(computed),
         rejected_requests=len(self.rejected), simulator_wall_s=self.wall_s,
         kv_index_events=self.index.events_applied)
@@ -242,7 +345,11 @@ def latency_figures(outcomes: Seq[Outcome]) -> dict:
     out['generated_tokens_per_s'] = generated / span if span > 0 else None
     out['requests_per_s'] = len(outcomes) / span if span > 0 else None
     cached = sum(o.cached_at_routing for o in outcomes)
-    out['cached_at_routing_fraction'] = cached / sum(o.prompt_len for o in outcomes)
+    shared = sum(o.shared_at_routing for o in outcomes)
+    prompt = sum(o.prompt_len for o in outcomes)
+    out['cached_at_routing_fraction'] = cached / prompt
+    out['hit_rate_shared_tokens'] = shared / prompt
+    out['hit_rate_with_store_tokens'] = (cached + shared) / prompt
   for q in (50, 99):
     out[f'route_p{q}_ms'] = float(np.percentile(route, q)) * 1e3 if route else None
   out['route_max_ms'] = max(route) * 1e3 if route else None
