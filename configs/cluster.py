@@ -21,7 +21,8 @@ question of a random one of its users. Every router row replays the same trace.
 tokens by hash id): 10 prefill replicas of a Llama-3-70B-shaped model on 8 x A100 80GB (the
 paper's A800s), 3M tokens of cache each, outputs cut to one token; every router with local
 caches, then a few with one shared store of the replicas' pooled 30M tokens under them
-(pagedjax/cluster/sim.py's SharedStore). Scaled by `workload.length_scale` (1/8: blocks of 64
+(pagedjax/cluster/sim.py's SharedStore) and each replica's own cache cut to a working set of 8
+longest prompts (so both hold 30M tokens in all). Scaled by `workload.length_scale` (1/8: blocks of 64
 tokens, the engines' block size, so the trace's reuse is kept block for block; the caches
 scale with it, 375 K tokens per replica) with arrival gaps scaled alike (`time_scale`), so the
 tokens per second the replicas see stay the trace's. `:tiny_mooncake` is its test-sized run
@@ -86,7 +87,8 @@ def get_config(arg=None):
       route_goal_ms=1.0,
       # rows (by label) replayed again with one shared store of shared_store_blocks blocks under
       # every replica (sim.py); its loads cost store_bytes_per_s and store_latency_s per batch
-      store_routers=(), shared_store_blocks=0, store_bytes_per_s=0.0, store_latency_s=0.0))
+      store_routers=(), shared_store_blocks=0, store_bytes_per_s=0.0, store_latency_s=0.0,
+      store_replica_blocks=0))  # the replicas' own pools in those rows (0: pool.num_blocks)
   if arg == 'tiny':
     config.sim.model = 'Llama-3-8B'
     config.sim.shape = ml_collections.ConfigDict(dict(
@@ -136,6 +138,11 @@ def mooncake(config, tiny: bool = False) -> None:
                router_rows()),
       store_routers=('precise',) if tiny else ('load_aware', 'precise', 'tier_cost'),
       shared_store_blocks=replicas * per_replica,  # the replicas' caches pooled (30M tokens)
+      # with the store, a replica keeps on its own only the working set of its batches (as
+      # Mooncake's prefill nodes keep HBM for the running requests): 8 longest prompts (131 K
+      # tokens), so the cache memory in all is about the local rows' 30M, pooled (the tiny
+      # run's replicas keep their whole pool: it is one longest prompt)
+      store_replica_blocks=0 if tiny else 8 * 16384 // block + 1,
       # Mooncake moves KV over RDMA (its prefill nodes have 8 x 200 Gb/s NICs): 100 GB/s and
       # 100 us per batched load here, an assumption, not a measurement
       store_bytes_per_s=100e9, store_latency_s=1e-4,

@@ -125,6 +125,9 @@ def check(config) -> None:
     if not isinstance(c.shared_store_blocks, int) or c.shared_store_blocks < 1:
       fail('cluster.shared_store_blocks', c.shared_store_blocks,
            'an integer >= 1 when cluster.store_routers names rows')
+    own = c.get('store_replica_blocks', 0)
+    if not isinstance(own, int) or own < 0:
+      fail('cluster.store_replica_blocks', own, 'an integer >= 0 (0: pool.num_blocks)')
     if not c.store_bytes_per_s > 0 or not c.store_latency_s >= 0:
       fail('cluster.store_bytes_per_s', c.store_bytes_per_s,
            'bytes/s > 0 (and store_latency_s >= 0) when cluster.store_routers names rows')
@@ -236,8 +239,12 @@ def store_costs(config, cost: tier_cost.TierCosts) -> tier_cost.TierCosts:
 
 def run_router(config, row, requests, shared_store: bool = False) -> tuple:
   label, name, kwargs = row
-  engines, costs = make_engines(config, config.cluster.replicas)
   store_blocks = config.cluster.shared_store_blocks if shared_store else 0
+  own = config.cluster.get('store_replica_blocks', 0)
+  if shared_store and own:  # the replicas' own pools in the store's rows
+    config = config.copy_and_resolve_references()
+    config.pool.num_blocks = config.sim.num_blocks = own
+  engines, costs = make_engines(config, config.cluster.replicas)
   if shared_store:
     costs = [store_costs(config, cost) for cost in costs]
   cluster = SimulatedCluster(engines, routers_lib.make_router(name, **dict(kwargs)), costs,
@@ -422,10 +429,12 @@ def mooncake_study(config, workdir: str) -> dict:
   load_before = os.getloadavg()
   requests, dropped = mooncake_trace(config)
   c, w = config.cluster, config.workload
-  tokens = (config.pool.num_blocks - 1) * config.pool.block_size
+  bs = config.pool.block_size
+  tokens = (config.pool.num_blocks - 1) * bs
+  own = ((c.store_replica_blocks or config.pool.num_blocks) - 1) * bs
   title = (f'{c.replicas} x {model_shape(config).name} on {config.mesh.model} x '
            f'{hardware.get_hardware(config.sim.hardware).name}, {tokens:,} cache tokens each, '
-           f'shared store {c.shared_store_blocks * config.pool.block_size:,} tokens; '
+           f'or a shared store of {c.shared_store_blocks * bs:,} over replicas of {own:,}; '
            f'{len(requests)} requests of {os.path.basename(w.path)} at length scale '
            f'{w.length_scale:g}, {w.output_tokens} output token (simulated)'
            f'{cli.variant_note(config)}')
