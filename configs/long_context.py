@@ -14,11 +14,14 @@ block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + m
     RAM streamed chunk_blocks at a time; (16, C) holds the whole refused pool;
   - by recompute: the whole context re-run without a cache every step (each layer's K/V live
     only while that layer runs), for `recompute_tokens` tokens;
+  - at every `disk_points` entry again, with the offloaded blocks on the disk tier;
   - `beside_requests` ordinary requests, timed alone and beside the long one (window
-    `beside_window`) in one engine;
-and reports host/tiers/tier_cost.py's stream-vs-recompute break-even per point.
-`:tiny` runs the same pipeline on a 1-layer random Llama at two points (seconds; most of it
-compiling).
+    `beside_window`) in one engine, and the long one's decode steps alone and beside a second
+    long request;
+and reports host/tiers/tier_cost.py's stream-vs-recompute break-even per point, and projected
+for `project_contexts` on this CPU and the `project_hardware` presets.
+`:tiny` runs the same pipeline on a 1-layer random Llama at one point, host and disk (seconds;
+most of it compiling).
 """
 import ml_collections
 
@@ -47,6 +50,16 @@ def get_config(arg=None):
       # Ordinary requests timed alone and beside the long one (offloaded with this window):
       beside_requests=2, beside_window=8, beside_prompt_tokens=32, beside_new_tokens=32,
       recompute_tokens=3,
+      # Points run again with every offloaded block on the disk tier (offload.placement='disk')
+      # in disk_kvstore ('' = WORKDIR/offload_disk, removed after).
+      disk_points=((16, 8),), disk_kvstore='',
+      # The recompute-vs-stream projection: contexts with a device window of this share of
+      # each, on this CPU (measured) and on these sim/hardware.py presets for this model and
+      # these sizing.py model presets (analytic: sim/cost_model.py, prefill chunks of
+      # project_chunk_tokens).
+      project_hardware=('h100-sxm', 'tpu-v5e'), project_models=('llama3-8b',),
+      project_contexts=(4096, 16384, 65536, 131072), project_window_fraction=0.25,
+      project_chunk_tokens=512,
       repeats=2))  # timed runs of every point, in rounds (decode steps pooled: the median)
   if arg == 'tiny':
     config.model.source = 'random'  # 1 layer; prompts are UTF-8 bytes (no tokenizer to build)
@@ -56,11 +69,13 @@ def get_config(arg=None):
     config.engine.prefill_chunk = 32
     config.sampling.max_new_tokens = 4
     config.long_context.prefill_chunk = 32
-    config.long_context.points = ((4, 2), (2, 1))  # the pool's window, and half of it
+    config.long_context.points = ((2, 2),)  # half the pool's window: one set of programs
     config.long_context.update(dict(beside_window=2, beside_prompt_tokens=8,
                                     beside_new_tokens=4))
     config.long_context.recompute_tokens = 2
     config.long_context.repeats = 1
+    config.long_context.disk_points = ((2, 2),)
+    config.long_context.project_contexts = (1024, 8192)
   elif arg:
     raise ValueError(f'configs/long_context.py: unknown variant {arg!r}; allowed: tiny')
   config.variant = arg or 'full'

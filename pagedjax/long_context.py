@@ -1,9 +1,10 @@
 """A context several times the device's KV memory, served by the engine: a thin front.
 
-The engine itself serves such a request with KV offload (config.offload; pagedjax/host/scheduling/offload.py
-and model/streamed_attention.py): the sequence's newest `window_blocks` blocks stay in the
-device pool, its older ones live in host RAM and stream through attention `chunk_blocks` at a
-time inside the engine's iterations, beside its other requests, with every sampling mode.
+The engine itself serves such a request with KV offload (config.offload;
+pagedjax/host/scheduling/offload.py and model/streamed_attention.py): the sequence's newest
+`window_blocks` blocks stay in the device pool, its older ones live in host RAM (or on the disk
+tier) and stream through attention `chunk_blocks` at a time inside the engine's iterations,
+beside its other requests, with every sampling mode.
 `LongContextDecoder` is that engine with a pool of `pool_blocks` blocks, and a loop that steps it
 for one request and reads, step by step, what the long-context study reports
 (experiments/long_context.py): each decode step's time and the bytes it streamed.
@@ -40,36 +41,46 @@ class LongContextSettings:
   """block_size: tokens per block. pool_blocks: the device pool's blocks (the null block
   aside). window_blocks (W): device blocks an offloaded sequence holds, at most pool_blocks.
   chunk_blocks (C): host blocks streamed per device call. prefill_chunk: prompt tokens per
-  step (a power of two). host_blocks: the host store's blocks (0: as many as max_seq_len
-  needs)."""
+  step (a power of two). host_blocks: the offload store's blocks (0: as many as max_seq_len
+  needs). placement: where they live, 'host' (RAM) or 'disk' (the disk tier, in the
+  tensorstore kvstore disk_kvstore: a directory or URL)."""
   block_size: int = 16
   pool_blocks: int = 16
   window_blocks: int = 16
   chunk_blocks: int = 8
   prefill_chunk: int = 64
   host_blocks: int = 0
+  placement: str = 'host'
+  disk_kvstore: str = ''
 
   def validate(self) -> 'LongContextSettings':
-    for field in dataclasses.fields(self):
-      if field.name != 'host_blocks':
-        _positive_int(field.name, getattr(self, field.name))
+    for name in ('block_size', 'pool_blocks', 'window_blocks', 'chunk_blocks', 'prefill_chunk'):
+      _positive_int(name, getattr(self, name))
     if self.window_blocks > self.pool_blocks:
       raise ValueError(f'window_blocks={self.window_blocks} is not allowed: at most '
                        f'pool_blocks={self.pool_blocks} (the window lives in the pool)')
+    if self.placement not in ('host', 'disk'):
+      raise ValueError(f"placement={self.placement!r} is not allowed: 'host' or 'disk'")
+    if self.placement == 'disk' and not self.disk_kvstore:
+      raise ValueError(f"disk_kvstore={self.disk_kvstore!r} is not allowed with placement="
+                       "'disk': a directory or tensorstore kvstore URL")
     return self
 
   def config(self, base: Config, max_seq_len: int) -> Config:
-    """base with this pool, prefill chunk and offload section (max_seq_len sizes the host
-    store when host_blocks is 0)."""
-    host = self.host_blocks or math.ceil(max_seq_len / self.block_size)
+    """base with this pool, prefill chunk and offload section (max_seq_len sizes the offload
+    store when host_blocks is 0): every offloaded block in host RAM, or all on the disk tier."""
+    blocks = self.host_blocks or math.ceil(max_seq_len / self.block_size)
+    window = dict(device_blocks=self.window_blocks, chunk_blocks=self.chunk_blocks)
+    offload = (OffloadConfig(host_blocks=blocks, **window) if self.placement == 'host' else
+               OffloadConfig(disk_blocks=blocks, disk_kvstore=self.disk_kvstore,
+                             placement='disk', **window))
     return dataclasses.replace(
         base,
         pool=dataclasses.replace(base.pool, block_size=self.block_size,
                                  num_blocks=self.pool_blocks + 1),
         engine=dataclasses.replace(base.engine, prefill_chunk=self.prefill_chunk,
                                    max_seq_len=max_seq_len),
-        offload=OffloadConfig(host_blocks=host, device_blocks=self.window_blocks,
-                              chunk_blocks=self.chunk_blocks))
+        offload=offload)
 
 
 @dataclasses.dataclass
@@ -107,6 +118,10 @@ class LongContextDecoder:
     shapes = self.engine.pool.block_array_shapes()
     self.block_bytes = sum(int(np.prod(s[2:])) * np.dtype(d).itemsize
                            for s, d in shapes.values())  # one block, one layer, K and V
+
+  def close(self) -> None:
+    """Removes a disk placement's store (also done when the engine goes)."""
+    self.engine.offload.store.close()
 
   def generate(self, prompt_ids: Sequence[int],
                params: SamplingParams = SamplingParams()) -> LongContextResult:

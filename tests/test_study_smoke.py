@@ -96,8 +96,12 @@ def test_tiny_pipeline(name, tmp_path):
   elif name == 'long_context':
     assert summary['goal']['tokens_identical_everywhere'] is True
     assert summary['refused']  # the normal engine's RequestError for the pool it cannot fit
-    assert [(r['window_blocks'], r['chunk_blocks']) for r in summary['rows']] == [
-        tuple(p) for p in config.long_context.points]
+    rows = summary['rows']
+    assert [(r['placement'], r['window_blocks'], r['chunk_blocks']) for r in rows] == [
+        ('host', *p) for p in config.long_context.points] + [
+        ('disk', *p) for p in config.long_context.disk_points]
+    assert {'long_context.png', 'beside.png', 'break_even.png', 'projection.csv'} <= set(
+        os.listdir(tmp_path))
   else:  # the simulated studies: every row and title marked simulated
     assert summary['simulated'] is True and all(r['simulated'] for r in summary['rows'])
     assert len(summary['rows']) == len(config.sweep)

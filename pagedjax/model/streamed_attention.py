@@ -1,9 +1,10 @@
 """Attention over a context larger than the device holds: partial softmax states, merged.
 
-An offloaded sequence (pagedjax/host/scheduling/offload.py) keeps its newest blocks in the engine's pool,
-at most its window of them, and its older blocks in host RAM. Each layer's attention is then a
-sum over disjoint key spans: the window's blocks in the pool, and the host blocks streamed to
-the device C blocks at a time.
+An offloaded sequence (pagedjax/host/scheduling/offload.py) keeps its newest blocks in the
+engine's pool, at most its window of them, and its older blocks in host RAM or on the disk tier
+(host/scheduling/offload_store.py). Each layer's attention is then a sum over disjoint key
+spans: the window's blocks in the pool, and the host blocks streamed to the device C blocks at
+a time.
 Each span gives an unnormalised online-softmax state (m: running max, l: sum of exp, acc: sum of
 exp-weighted values), and states of disjoint spans merge exactly (`combine`): the pairwise,
 unnormalised form of the kernels' split merge (kernels/contract.merge_split_states), which lets

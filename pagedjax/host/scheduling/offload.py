@@ -13,21 +13,23 @@ what the window holds from the first block not fully written on (`chunk_room`), 
 works; a window smaller than a chunk's blocks just makes that prompt's chunks shorter.
 
 Which sequences are offloaded (the policy, config.offload):
-  at submit       a request whose blocks can never all fit the pool (host/requests/intake.py) is served
-                  with a window instead of refused, up to what the host store holds
-                  (`refusal`: a RequestError beyond that).
+  at submit       a request whose blocks can never all fit the pool (host/requests/intake.py)
+                  is served with a window instead of refused, up to what the offload store
+                  holds, host RAM plus the disk tier (`refusal`: a RequestError beyond that).
   under pressure  with `instead_of_preempting`, a decode that finds the pool out of blocks
                   first shrinks the running sequence holding the most blocks beyond W to its
                   newest W (`relieve`), and preempts only when none can be shrunk.
 A sequence with a window but no host block yet (a long prompt's first W blocks) runs in the
 batched steps like any other; it moves to the streamed path with its first host block.
 
-Host room. The store holds `host_blocks` blocks (SwapStore: the pool's per-block arrays, so
-codes and scales exactly as the device stores them). A sequence reserves, at admission, the
-host blocks it can come to need: its longest length's blocks beyond W, plus, for each parallel
-sample it will fork, the blocks of max_new_tokens and one (a fork shares the leader's host
-blocks; each block its window moves out after the fork is its own). Admission waits for room,
-so a running sequence never finds the store full.
+Host room. The store (host/scheduling/offload_store.py) holds `host_blocks` blocks in host RAM
+and `disk_blocks` on the disk tier, the pool's per-block arrays in both, so codes and scales
+exactly as the device stores them; `placement` says which tier a block moving out goes to
+first. A sequence reserves, at admission, the host blocks it can come to need: its longest
+length's blocks beyond W, plus, for each parallel sample it will fork, the blocks of
+max_new_tokens and one (a fork shares the leader's host blocks; each block its window moves
+out after the fork is its own). Admission waits for room, so a running sequence never finds
+the store full. ("Host blocks" means the offloaded ones, whichever tier holds them.)
 
 Sharing. Forks share their leader's host blocks (ref counts) and device blocks (the block
 manager's copy-on-write). Prefix caching: hits at admission are used (those beyond W move out
