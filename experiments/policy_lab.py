@@ -40,6 +40,9 @@ Writes to WORKDIR:
   tuning.csv      per tuned policy and parameter value: hit rate on each half at gap_capacity
   hit_rate.png    hit rate against capacity (log x), the infinite-capacity ceiling dashed
   regret.png      regret against capacity, and LRU's gap closed
+  reuse.png       the trace's LRU stack distances (first / later turns) and hits by block depth
+                  at gap_capacity (LRU, the best online row, the oracles)
+  tiers.csv, tiers.png  hit rate by tier per arrangement (lab.tiers), sizes in tokens
   summary.json    the curves, the ceiling (replayed, and counted from the hash ids), the goals
                   and whether each was met, the tuning, host time per request, config, versions
 Host time is this process's wall time around the replay of each point; on a shared machine it is
@@ -74,6 +77,8 @@ from pagedjax.host.cache.sessions import Sessions
 
 BLOCK = workloads.TRACE_BLOCK_TOKENS
 TAIL = -1  # the "token" standing for a prompt's partial last block (never cached)
+DEPTH_EDGES = (0, 1, 2, 4, 8, 16, 32, 64)  # hit blocks counted by depth: [0, 1), [1, 2), ...
+DISTANCE_EDGES_TOKENS = tuple(10 ** (4 + k / 4) for k in range(21))  # 1e4 .. 1e9, 4 per decade
 # name -> (eviction policy, keep sessions)
 ROWS = {
     'lru': ('lru', False),
@@ -176,6 +181,52 @@ def future_uses(records, capacity_blocks: float = math.inf) -> dict:
   return uses
 
 
+def reuse_distances(records) -> dict:
+  """LRU stack distances of the reads an infinite cache serves: for each hit block (a request's
+  leading full blocks an earlier request had), the distinct blocks used since its last use, in
+  tokens (x 512). An LRU cache of C tokens serves a read about when its distance is below C (the
+  running request's own blocks and the last-token rule aside), so this histogram says how much
+  of the trace's reuse each capacity can reach by recency alone. Counted per request of the
+  reading (first turns of a conversation, later turns). A Fenwick tree over use times: O(n log n)."""
+  uses = sum(r.full_blocks for r in records)
+  tree = [0] * (uses + 1)
+
+  def add(i, v):
+    i += 1
+    while i <= uses:
+      tree[i] += v
+      i += i & -i
+
+  def prefix(i):  # sum of marks at times < i
+    total = 0
+    while i > 0:
+      total += tree[i]
+      i -= i & -i
+    return total
+
+  last, now, seen_conv = {}, 0, set()
+  counts = {'first_turn': [0] * (len(DISTANCE_EDGES_TOKENS) + 1),
+            'later_turn': [0] * (len(DISTANCE_EDGES_TOKENS) + 1)}
+  for r in records:
+    kind = 'later_turn' if r.conversation in seen_conv else 'first_turn'
+    if r.conversation is not None:
+      seen_conv.add(r.conversation)
+    reading = True
+    for h in r.hash_ids[:r.full_blocks]:
+      previous = last.get(h)
+      if reading and previous is not None:
+        distance = (prefix(now) - prefix(previous + 1)) * BLOCK  # distinct blocks used since
+        counts[kind][bisect.bisect_right(DISTANCE_EDGES_TOKENS, distance)] += 1
+      else:
+        reading = False  # past the first miss, nothing of this prompt is a hit
+      if previous is not None:
+        add(previous, -1)
+      add(now, 1)
+      last[h] = now
+      now += 1
+  return {'edges_tokens': list(DISTANCE_EDGES_TOKENS), **counts}
+
+
 # ---- one replay ------------------------------------------------------------------------------
 
 
@@ -194,6 +245,7 @@ class Replay:
     allocator = BlockAllocator(capacity_blocks + 1, cache=self.cache)  # + the null block
     self.blocks = BlockManager(allocator, 1, 'paged', max_seq_len=capacity_blocks)
     self.position = -1
+    self.hits_by_depth = [0] * len(DEPTH_EDGES)  # hit blocks per DEPTH_EDGES bucket
 
   def serve(self, records) -> None:
     for record in records:
@@ -207,12 +259,21 @@ class Replay:
       seq = Sequence(self.position, prompt, SamplingParams(max_new_tokens=1,
                                                            session_id=session))
       self.blocks.allocate_waiting(seq)
+      self._count_depths(seq.num_cached)  # block size 1: the cached tokens are the hit blocks
       self.after_admission()
       seq.num_cached = min(record.full_blocks, len(prompt))  # the full blocks are computed
       self.blocks.offer_full_blocks(seq)
       self.blocks.end_turn(seq, float(self.position))
       self.blocks.deallocate(seq)
       self.after_request()
+
+  def _count_depths(self, hits: int) -> None:
+    """Blocks 0..hits-1 of a prompt were hits: count them per depth bucket."""
+    for b, lo in enumerate(DEPTH_EDGES):
+      hi = DEPTH_EDGES[b + 1] if b + 1 < len(DEPTH_EDGES) else math.inf
+      if hits <= lo:
+        break
+      self.hits_by_depth[b] += min(hits, hi) - lo
 
   def after_admission(self) -> None:
     """A hook (TierReplay moves blocks between tiers here)."""
@@ -264,7 +325,8 @@ def replay(row: str, records, capacity_tokens: float, params: dict, design: str)
   return {'row': row, 'capacity_tokens': capacity_tokens, 'hit_tokens': hit,
           'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0.0,
           'evictions': run.cache.evictions, 'host_s': host_s,
-          'host_us_per_request': 1e6 * host_s / max(len(records), 1)}
+          'host_us_per_request': 1e6 * host_s / max(len(records), 1),
+          'hits_by_depth': list(run.hits_by_depth)}
 
 
 # ---- tier arrangements -----------------------------------------------------------------------
@@ -631,22 +693,35 @@ def study(config, workdir: str) -> dict:
   lab = config.lab
   records = load(config)
   start = time.perf_counter()
+  phase_s, replays = {}, {}  # wall seconds and requests replayed, per phase
+
+  def phase(name, began, requests):
+    phase_s[name] = time.perf_counter() - began
+    replays[name] = requests
+
+  t0 = time.perf_counter()
   counted = counted_ceiling(records)
   replayed = replay(REFERENCE, records, math.inf, {}, lab.design)
   ceiling = {'counted_from_hash_ids': counted['hit_rate'], 'replayed': replayed['hit_rate'],
              'relative_difference': abs(replayed['hit_rate'] - counted['hit_rate']) /
                                     counted['hit_rate'] if counted['hit_rate'] else 0.0}
+  distances = reuse_distances(records)
+  phase('ceiling_and_reuse_distances', t0, len(records))
   cli.say(f"ceiling: counted {counted['hit_rate']:.4f}, replayed {replayed['hit_rate']:.4f}")
   half = len(records) // 2
   base, model = {}, None
+  t0 = time.perf_counter()
   if any(row in FITTED for row in lab.rows):
     model = fit_return_model(records[:half])
     model['held_out'] = evaluate_return_model(records[half:], model)
     base[FIT] = model
     cli.say(f"return model: AUC {model['auc']:.3f} on the first half (fitted), "
             f"{model['held_out']['auc']:.3f} on the second")
+  phase('fit', t0, len(records) if model else 0)
+  t0 = time.perf_counter()
   tuned = lab.tune or any(row in FITTED for row in lab.rows)
   chosen, tuning, checks = tune(config, records, base) if tuned else ({}, [], {})
+  phase('tune', t0, len(records) * (len(tuning) + 1))
   if tuning:
     run_info.write_csv(os.path.join(workdir, 'tuning.csv'), tuning)
     for row, c in checks.items():
@@ -655,36 +730,101 @@ def study(config, workdir: str) -> dict:
   curves = []
   points = [(row, cap) for row in lab.rows for cap in lab.capacities]
   params = dict(base, **chosen)
+  t0 = time.perf_counter()
   for row, cap in cli.progress(points, desc='policy lab', unit='point'):
     curves.append(replay(row, records, cap, params, lab.design))
+  phase('curves', t0, len(records) * len(points))
   add_comparisons(curves)
+  t0 = time.perf_counter()
   tiers = tier_study(config, records, params) if lab.tiers.capacities else []
+  phase('tiers', t0, len(records) * len(tiers))
   for row in lab.rows:
     line = ' '.join(f"{c['hit_rate']:.3f}" for c in curves if c['row'] == row)
     cli.say(f'  {row:16s} {line}')
   write_tables(config, curves, workdir, tiers)
   wall_s = time.perf_counter() - start
-  requests_replayed = len(records) * (len(points) + len(tiers) + 1)
+  replayed_points = curves + tiers
   summary = {
       'curves': curves, 'ceiling': ceiling, 'tuned': chosen, 'tuning': tuning,
-      'return_model': model, 'tiers': tiers,
+      'return_model': model, 'tiers': tiers, 'reuse_distances': distances,
+      'depth_edges_blocks': list(DEPTH_EDGES),
       'tuning_checks': checks, 'goals': goals(config, curves, checks),
       'continuation_by_turn': continuation(records),
       'requests': len(records), 'prompt_tokens': counted['prompt_tokens'],
-      'host_us_per_request': 1e6 * sum(c['host_s'] for c in curves) / (
-          len(records) * len(curves)) if records and curves else None,
-      'wall_s': wall_s, 'requests_replayed': requests_replayed,
+      # host time inside the replays of the curves and tier points, per request replayed
+      'host_us_per_request': 1e6 * sum(c['host_s'] for c in replayed_points) / (
+          len(records) * len(replayed_points)) if records and replayed_points else None,
+      'host_us_per_request_by_row': {
+          row: 1e6 * sum(c['host_s'] for c in curves if c['row'] == row) / (
+              len(records) * len(lab.capacities)) for row in lab.rows} if records else {},
+      'phase_s': phase_s, 'requests_replayed_by_phase': replays,
+      'wall_s': wall_s, 'requests_replayed': sum(replays.values()),
+      'wall_us_per_request_replayed': 1e6 * wall_s / max(sum(replays.values()), 1),
+      'load_average_end': os.getloadavg(),
       'timing_note': 'wall time of this process on a shared machine: a figure under load',
       **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
   plot(config, curves, ceiling['replayed'], workdir)
+  plot_explanations(config, curves, distances, workdir)
   if tiers:
     plot_tiers(config, tiers, workdir)
   met = [row for row, g in summary['goals'].items() if g['met']]
-  print(f'{len(records)} requests, {len(curves)} points in {wall_s:.1f} s '
-        f"({summary['host_us_per_request']:.0f} us host time per request); goal met by: "
-        f"{', '.join(met) or 'none'}")
+  print(f"{len(records)} requests, {summary['requests_replayed']} replayed in {wall_s:.1f} s "
+        f"({summary['wall_us_per_request_replayed']:.0f} us wall per request replayed, "
+        f"{summary['host_us_per_request']:.0f} us host time per request inside the replays; "
+        + ', '.join(f'{k} {v:.0f} s' for k, v in phase_s.items()) +
+        f"); goal met by: {', '.join(met) or 'none'}")
   return summary
+
+
+def plot_explanations(config, curves: list, distances: dict, workdir: str) -> None:
+  """reuse.png: the LRU stack distance of the trace's reusable reads (first / later turns),
+  cumulative, with the study's capacities; and hits by block depth at gap_capacity for LRU,
+  the best online row there and the optimum."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  note = cli.variant_note(config)
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  edges = distances['edges_tokens']
+  for kind in ('first_turn', 'later_turn'):
+    counts = distances[kind]
+    total = sum(counts)
+    if not total:
+      continue
+    cum = list(itertools.accumulate(counts[:-1]))
+    a1.plot(edges, [c / total for c in cum], marker='o', markersize=3,
+            label=f"{kind.replace('_', ' ')} reads ({total:,} blocks)")
+  for cap in config.lab.capacities:
+    a1.axvline(cap, color='grey', linewidth=0.6, linestyle=':')
+  a1.set_xscale('log')
+  a1.set_xlabel('LRU stack distance (distinct tokens used since the last use, log scale)')
+  a1.set_ylabel('share of reusable reads within that distance')
+  a1.set_title(f'Reuse distance of the trace (dotted: capacities studied){note}', fontsize=9)
+  a1.grid(True, which='both', alpha=0.3)
+  a1.legend(fontsize=8)
+  cap = config.lab.gap_capacity
+  at = {c['row']: c for c in curves if c['capacity_tokens'] == cap}
+  online = [r for r in at if r not in OFFLINE and r != REFERENCE]
+  best = max(online, key=lambda r: at[r]['hit_rate']) if online else None
+  shown = [r for r in (REFERENCE, best, 'reuse_oracle', OPTIMUM) if r in at]
+  labels = [f'{lo}' if hi - lo == 1 else f'{lo}-{hi - 1}' for lo, hi in
+            zip(DEPTH_EDGES, DEPTH_EDGES[1:])] + [f'{DEPTH_EDGES[-1]}+']
+  width = 0.8 / max(len(shown), 1)
+  for k, row in enumerate(shown):
+    prompt = at[row]['prompt_tokens']
+    a2.bar([x + k * width for x in range(len(labels))],
+           [h * BLOCK / prompt for h in at[row]['hits_by_depth']], width, label=row)
+  a2.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(labels))])
+  a2.set_xticklabels(labels)
+  a2.set_xlabel('block depth in the prompt (512-token blocks)')
+  a2.set_ylabel('hit tokens at that depth / prompt tokens')
+  a2.set_title(f'Hits by block depth at {cap:.0e} tokens{note}', fontsize=9)
+  a2.grid(True, axis='y', alpha=0.3)
+  a2.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'reuse.png'), dpi=120)
+  plt.close(fig)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,7 @@
 """The policy lab (experiments/policy_lab.py): the offline optimum is never below an online
-policy, an infinite cache hits exactly what the hash ids say, and the :tiny study runs end to
-end (replay, tuning, tables, plots, summary)."""
+policy, an infinite cache hits exactly what the hash ids say, the tier replay through the real
+tier code agrees with the plain one, the new policies (ARC, LRFU, the return predictors) do what
+they say, and the :tiny studies (the lab, and policy_lab_sim on the simulator) run end to end."""
 import json
 import math
 import os
@@ -8,9 +9,15 @@ import os
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import numpy as np
+
 from configs import policy_lab as lab_config
+from configs import policy_lab_sim as sim_config
 from experiments import policy_lab as lab
+from experiments import policy_lab_sim as lab_sim
 from pagedjax.host import policies
+from pagedjax.host import predictive_policies as pp
+from pagedjax.studies import return_model
 from pagedjax.studies.workloads import BlockTraceRecord
 
 ONLINE_ROWS = [row for row in lab.ROWS if row not in lab.OFFLINE]
@@ -66,10 +73,13 @@ def test_tiny_study(tmp_path):
   config.lab.limit = 200
   config.lab.capacities = [1e5, 1e6]
   config.lab.gap_capacity = 1e6
+  config.lab.rows = ['lru', 'arc', 'return_predictor', 'reuse_oracle', 'belady']
+  config.lab.tune = {'return_predictor': [1.0, 2.0]}
+  config.lab.tiers.capacities = [1e5]
   lab.check(config)
   summary = lab.study(config, str(tmp_path))
   for name in ('curves.csv', 'table.md', 'tuning.csv', 'hit_rate.png', 'regret.png',
-               'summary.json'):
+               'reuse.png', 'tiers.csv', 'tiers.png', 'summary.json'):
     assert os.path.getsize(tmp_path / name) > 0, name
   with open(tmp_path / 'summary.json', encoding='utf-8') as f:
     assert json.load(f)['variant'] == 'tiny'
@@ -79,9 +89,137 @@ def test_tiny_study(tmp_path):
   assert all(c['regret'] >= 0 for c in curves)
   assert any(c['regret'] > 0 for c in curves if c['row'] == lab.REFERENCE)  # a gap to study
   assert all(0 <= c['hit_rate'] <= summary['ceiling']['replayed'] + 1e-12 for c in curves)
-  assert set(summary['goals']) == set(config.lab.rows) - {lab.REFERENCE, *lab.OFFLINE}
+  assert all(sum(c['hits_by_depth']) * 512 == c['hit_tokens'] for c in curves)
+  assert set(summary['goals']) == {'arc', 'return_predictor'}
   assert summary['continuation_by_turn'][0]['turns'] > 0
-  assert set(summary['tuned']) == set(config.lab.tune)
+  assert set(summary['tuned']) == {'return_predictor'}
+  assert set(summary['tuning_checks']) == {'return_predictor'}  # fitted on the first half
+  assert summary['return_model']['held_out']['releases'] > 0
+  # the reuse distances count every read an infinite cache serves
+  d = summary['reuse_distances']
+  assert (sum(d['first_turn']) + sum(d['later_turn'])) * 512 == round(
+      summary['ceiling']['counted_from_hash_ids'] * summary['prompt_tokens'])
+  # tiers: the device-only arrangement is the plain replay; tiers add hits, never lose any
+  tiers = {t['arrangement']: t for t in summary['tiers']}
+  lru = next(c for c in curves if c['row'] == 'lru' and c['capacity_tokens'] == 1e5)
+  assert tiers['device']['hit_rate'] == lru['hit_rate']
+  for t in tiers.values():
+    assert t['hit_rate'] == pytest.approx(
+        t['device_hit_rate'] + t['host_hit_rate'] + t['disk_hit_rate'])
+  assert tiers['device']['hit_rate'] <= tiers['device_host']['hit_rate'] <= tiers[
+      'device_host_disk']['hit_rate']
+  assert tiers['device_host_disk']['disk_hit_rate'] > 0
+  assert summary['host_us_per_request'] > 0 and set(summary['phase_s']) == {
+      'ceiling_and_reuse_distances', 'fit', 'tune', 'curves', 'tiers'}
+
+
+@settings(max_examples=10, deadline=None)
+@given(records=traces(), capacity_blocks=st.integers(3, 12))
+def test_lower_tiers_serve_what_the_device_evicted(records, capacity_blocks):
+  """With a disk tier that holds everything, the arrangement hits what an infinite cache does;
+  a host tier alone never hits less than the device alone, and a tier never serves a block the
+  device did (tier hits add up). The device holds the longest prompt (a longer one is cut)."""
+  cap = max(capacity_blocks, max(len(lab.prompt_of(r)) for r in records) + 1) * 512
+  ceiling = lab.replay('lru', records, math.inf, {}, 'hash')['hit_rate']
+  device = lab.replay('lru', records, cap, {}, 'hash')['hit_rate']
+  total = sum(r.full_blocks for r in records) * 512
+  host = lab.tier_replay('lru', records, {'device_tokens': cap, 'host_tokens': cap,
+                                          'disk_tokens': 0}, {}, 'hash')
+  full = lab.tier_replay('lru', records, {'device_tokens': cap, 'host_tokens': cap,
+                                          'disk_tokens': total}, {}, 'hash')
+  assert host['device_hit_rate'] == device  # write-back changes nothing on the device
+  assert device <= host['hit_rate'] <= full['hit_rate']
+  assert full['hit_rate'] == pytest.approx(ceiling)
+
+
+def test_lrfu_spans_lru_and_lfu():
+  """a is referenced four times early, b once later: a short half-life evicts a first (older),
+  a long one b (fewer references)."""
+  def order(half_life):
+    q = policies.LRFU()
+    q.half_life = half_life
+    q.add('a')
+    for _ in range(3):
+      q.hit('a')
+    for _ in range(10):
+      q.tick()
+    q.add('b')
+    q.push('a')
+    q.push('b')
+    return q.ranked(['a', 'b'])
+  assert order(1.0) == ['a', 'b']
+  assert order(1e9) == ['b', 'a']
+
+
+def test_arc_keeps_blocks_read_again_through_a_scan():
+  """Entries hit once are in T2; a scan of new entries passes through T1 (p = 0 until a ghost
+  says otherwise), so its entries go first and the reused ones stay."""
+  q = policies.ARC()
+  for k in range(4):
+    q.add(k, chain_key=k)
+    q.hit(k)
+    q.push(k)
+  for k in range(100, 110):
+    q.add(k, chain_key=k)
+    q.push(k)
+    assert q.pop() == k  # the scan's own entry goes, the reused ones never
+    q.remove(k)
+  assert sorted(q.keys()) == [0, 1, 2, 3]
+  q.add(109, chain_key=109)  # the scan's last content comes back: a B1 ghost grows T1's target
+  assert q.p >= 1
+
+
+def test_return_predictor_sees_turns_think_time_and_new_blocks():
+  """Its features of a release come from the event stream alone: a second turn that hit two
+  blocks of the first, 30 releases after it, and computed three new ones."""
+  q = pp.Recorder()
+  for k in range(3):
+    q.add(k, depth=k, chain_key=k)
+  tick = first_end = q.tick()  # the first turn ends
+  for k in (2, 1, 0):
+    q.push(k, session=(1, tick))
+  for _ in range(30):
+    q.tick()
+  q.hit(0)
+  q.hit(1)
+  for k in range(10, 13):
+    q.add(k, depth=k - 8, chain_key=k)
+  tick = q.tick()
+  for k in (12, 11, 10, 1, 0):  # tail first
+    q.discard(k)
+    q.push(k, session=(2, tick))
+  first, second = q.releases[0]['x'], q.releases[3]['x']
+  f = {name: i for i, name in enumerate(pp.FEATURES)}
+  assert first[f['first']] == 1 and first[f['log1p_think']] == 0
+  assert second[f['first']] == 0 and round(math.exp(second[f['log_turns']])) == 2
+  assert round(math.expm1(second[f['log1p_think']])) == tick - first_end  # block 1's
+  assert round(math.expm1(second[f['log1p_prompt']])) == 5
+  assert round(math.expm1(second[f['log1p_new']])) == 3
+  assert q.releases[1]['read_at'] is not None and q.releases[0]['read_at'] is None  # 1 read
+
+
+def test_return_model_fits_a_signal_and_says_how_well():
+  rng = np.random.default_rng(0)
+  x = [pp.design(int(t), 0, t == 1, 10, 10, 0, 3) for t in rng.integers(1, 6, 2000)]
+  releases = [{'major': i, 'x': xi, 'read_at': i + 50 if rng.random() < xi[1] / 2 else None}
+              for i, xi in enumerate(x)]
+  model = return_model.fit(releases)
+  assert model['weights'][1] > 0.5 and model['auc'] > 0.6
+  assert return_model.evaluate(releases, model['weights'])['auc'] == pytest.approx(model['auc'])
+
+
+def test_tiny_simulated_node(tmp_path):
+  config = sim_config.get_config('tiny')
+  config.sim_lab.limit = 20
+  config.sim_lab.rows = ['no_cache', 'lru']
+  lab_sim.check(config)
+  summary = lab_sim.study(config, str(tmp_path))
+  for name in ('results.csv', 'table.md', 'summary.json', 'ttft.png'):
+    assert os.path.getsize(tmp_path / name) > 0, name
+  none, lru = summary['rows']
+  assert none['hit_rate'] == 0 and 0 < lru['hit_rate'] < 1
+  assert lru['prefill_gpu_s_saved'] > 0 and lru['ttft_p50_s'] <= none['ttft_p50_s']
+  assert lru['device_hit_rate'] + lru['host_hit_rate'] > 0 and summary['simulated']
 
 
 @pytest.mark.parametrize('field, value, message', [
@@ -90,10 +228,16 @@ def test_tiny_study(tmp_path):
     ('capacities', [1e6, 1e5], 'increasing, distinct'),
     ('gap_capacity', 7.0, 'one of lab.capacities'),
     ('trace', '/no/such/trace.jsonl', 'a block-hash trace file that exists'),
+    ('tiers.rows', ['belady'], 'online rows'),
+    ('tiers.arrangements.device_host', [4], r'\[host, disk\]'),
 ])
 def test_check_names_the_bad_field(field, value, message):
   config = lab_config.get_config('tiny')
-  config.lab[field] = value
+  section, _, name = field.rpartition('.')
+  target = config.lab
+  for part in section.split('.') if section else ():
+    target = target[part]
+  target[name] = value
   with pytest.raises(lab.config_lib.ConfigError, match=f'config.lab.{field}=.*{message}'):
     lab.check(config)
 
