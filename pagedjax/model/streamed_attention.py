@@ -32,7 +32,7 @@ together, B of them padded to a row bucket (the engine's powers of two up to max
                positions -1 for a row with fewer chunks) put on the device in one transfer,
                dequantized as the pool would, merged into each row's running state
     end        normalise, o_proj, residual, MLP
-  finish       final norm, logits of each row's last real token, and the engine's own sampler
+  finish       each row's last real token; final norm, logits and the engine's own sampler
                (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds)
 So a batch costs L * (2 + the longest row's chunks) + 2 calls, whatever B is. The store's reads
 of a layer are started while the layer before computes (`OffloadStore.start_read`: a disk
@@ -42,8 +42,8 @@ The weights are the engine's: on one CPU device each layer's params are views of
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
 index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
 W, the chunk C, the row bucket B and the query length T, one of the engine's two token
-buckets. So an engine compiles 5 programs per (T, B) it meets, whatever the context: at most
-10 x the number of row buckets; the layer is a traced argument. Every one is counted in
+buckets. So an engine compiles 5 programs per (T, B) it meets and the sampler's once per B,
+whatever the context: at most 11 per row bucket; the layer is a traced argument. Every one is counted in
 pagedjax/device/traces.py, and engines of one model and pool shape share them (module-level
 jits, the model config and storage spec static).
 """
@@ -184,10 +184,17 @@ def _end_layer(cfg, stacked, lp, layer, x, state):
   return llama.layer_output(cfg, _layer(lp, layer, stacked), x, attn)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _finish(cfg, params, x, index, temperature, top_k, top_p, seed, counter):
+@jax.jit
+def _last_tokens(x, index):
   traces.record()
-  logits = llama.final_logits(cfg, params, x[jnp.arange(x.shape[0]), index])
+  return x[jnp.arange(x.shape[0]), index]  # [B, T, D] -> [B, D]: each row's last real token
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _finish(cfg, params, x, temperature, top_k, top_p, seed, counter):
+  # Takes [B, D], not [B, T, D]: the sampler (a vocabulary sort) compiles once per row bucket.
+  traces.record()
+  logits = llama.final_logits(cfg, params, x)
   return sample(logits, temperature, top_k, top_p, seed, counter), logits
 
 
@@ -230,8 +237,8 @@ class StreamedAttention:
   Rows are batched: those of one token bucket (prompt chunks, or decode tokens) go through one
   set of calls, padded to a row bucket (`row_buckets`, the engine's powers of two up to
   max_batch_size), so two long requests decoding together cost one call per layer and chunk,
-  not two. Compiled shapes: 5 programs per (token bucket, row bucket) met, each counted
-  (device/traces.py). `counters`: batches run (and of how many real rows), their padding
+  not two. Compiled shapes: 5 programs per (token bucket, row bucket) met and one per row
+  bucket, each counted (device/traces.py). `counters`: batches run (and of how many real rows), their padding
   rows, and fold calls."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
@@ -339,7 +346,8 @@ class StreamedAttention:
       values[:len(rows)] = [getattr(r, field) for r in rows]
       return values
 
-    token, logits = _finish(cfg, params, x, index, per_row('temperature', np.float32),
+    token, logits = _finish(cfg, params, _last_tokens(x, index),
+                            per_row('temperature', np.float32),
                             per_row('top_k', np.int32), per_row('top_p', np.float32, 1.0),
                             per_row('seed', np.int32), per_row('counter', np.int32))
     return pool, np.asarray(token)[:len(rows)], np.asarray(logits)[:len(rows)], streamed
