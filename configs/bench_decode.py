@@ -44,6 +44,11 @@ def get_config(arg=None):
       # calls of 8+ rows on one CPU device (no per-step weight copies; those programs compile
       # 3-4x slower), scan = always under the layer scan, unrolled = every decode call.
       decode_layers='auto',
+      # The linear layers (pagedjax/model/llama.py LINEAR_IMPLS), one engine each, interleaved:
+      # auto (the engine's default) = the native CPU kernel (kernels/linear_cpu.py) for decode
+      # calls on CPU, xla = XLA's dots. The first is the engine every other figure is taken
+      # with; ('auto',) runs that one alone.
+      linear_impls=('auto', 'xla'),
       seed=0,
   ))
   if arg == 'tiny':

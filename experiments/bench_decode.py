@@ -19,6 +19,14 @@ token ids. Per batch B:
     what attention, norms and sampling cost when XLA compiles the step as simply as it can be
     written; step / plain is what the engine's structure (paging, Flax, padding batch 1 to 8
     rows unless engine.decode_min_rows says otherwise; this config says 1) adds on top.
+Linear layers: `bench.linear_impls` (llama.LINEAR_IMPLS, resolved and deduplicated; default
+('auto', 'xla'): on CPU the native linear kernel, kernels/linear_cpu.py, then XLA's dots). The
+first is the engine everything above is measured with; each other one gets an engine of its own
+(same params, same step options), run on the same prompts in the same interleaved rounds, and
+every batch row gets its tokens/s, its decode step, the per-round ratio of the first engine's
+decode step to its own (`decode_step_ratio_<impl>`: < 1 means the first is faster) and whether
+its greedy tokens equal the first engine's (`token_agreement_<impl>`). The matmul floor is timed
+for every impl too (`floor_s` is XLA's dots, as before; `floor_s_cpu` the kernel's).
 The engine's attention path is config.attention.impl (`auto`: on CPU the native `cpu` kernel,
 kernels/cpu.py, where it builds, else `xla`); summary.json's `attention_impl` names the one that
 ran. The engine's decode calls run the layers as `bench.decode_layers` says (model/step.py:
@@ -48,12 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax import kernels
+from pagedjax.kernels import linear_cpu
 from experiments import cli
 from experiments import plain_step
 from pagedjax import factory
 from pagedjax.studies import run_info
 from pagedjax.studies import text_data
 from pagedjax.config import Config, ConfigError
+from pagedjax.model.llama import LINEAR_IMPLS
 from pagedjax.model.step import DECODE_LAYERS, CompiledStep
 from pagedjax.host.requests.sampling_params import SamplingParams
 
@@ -199,8 +209,10 @@ def step_figures(steps) -> dict:
           'decode_steps': len(dec_s)}
 
 
-def matmul_floor_fn(model_cfg, params, batch: int):
-  """The decode step's matmuls alone at `batch` rows, jitted -> zero-arg callable.
+def matmul_floor_fn(model_cfg, params, batch: int, linear_impl: str = 'xla'):
+  """The decode step's matmuls alone at `batch` rows, jitted -> zero-arg callable; linear_impl
+  'cpu' runs them through the native kernel (kernels/linear_cpu.py), which reads a tied head's
+  [V, D] embedding in place.
 
   Per-layer weights are separate arrays (sliced out once, here), so the floor pays for no
   slicing; the layers are a Python loop (unrolled), each dot fed by the previous one so nothing
@@ -214,17 +226,24 @@ def matmul_floor_fn(model_cfg, params, batch: int):
            ('mlp', 'gate_proj'), ('mlp', 'up_proj'), ('mlp', 'down_proj')]
   per_layer = [[jnp.array(lay[a][n]['kernel'][i]) for a, n in names]
                for i in range(model_cfg.num_layers)]
-  head = jnp.array(p['embed']['embedding'].T if model_cfg.tie_embeddings
-                   else p['lm_head']['kernel'])  # [D, V]
+  kernel = linear_cpu.resolve(linear_impl) == 'cpu'
+  mm = (lambda a, w: linear_cpu.linear(a, w)) if kernel else jnp.dot
+  if model_cfg.tie_embeddings and kernel:
+    head = jnp.array(p['embed']['embedding'])  # [V, D], read in place by the kernel
+    head_mm = lambda a, e: linear_cpu.linear(a, e, transposed=True)
+  else:
+    head = jnp.array(p['embed']['embedding'].T if model_cfg.tie_embeddings
+                     else p['lm_head']['kernel'])  # [D, V]
+    head_mm = mm
 
   @jax.jit
   def floor(per_layer, head, x):
     for q_w, k_w, v_w, o_w, g_w, u_w, d_w in per_layer:
-      q, k, v = x @ q_w, x @ k_w, x @ v_w
-      a = q @ o_w  # attention output projection (the attention itself is not a matmul here)
-      h = (a @ g_w) + (a @ u_w)
-      x = x + h @ d_w + (k[:, :1] + v[:, :1])
-    return x @ head
+      q, k, v = mm(x, q_w), mm(x, k_w), mm(x, v_w)
+      a = mm(q, o_w)  # attention output projection (the attention itself is not a matmul here)
+      h = mm(a, g_w) + mm(a, u_w)
+      x = x + mm(h, d_w) + (k[:, :1] + v[:, :1])
+    return head_mm(x, head)
 
   x = jnp.ones((batch, model_cfg.d_model), jnp.float32)
   return lambda: floor(per_layer, head, x)
@@ -303,8 +322,9 @@ def plot(path: str, rows) -> None:
   plt.close(fig)
 
 
-def markdown_table(rows) -> str:
-  """The table docs/decode_speed.md quotes."""
+def markdown_table(rows, impls=('xla',)) -> str:
+  """The table docs/decode_speed.md quotes; with more than one linear impl, a second table of
+  their engines side by side (impls[0] is the rows' own)."""
   f = lambda x, spec: '-' if x is None else format(x, spec)
   lines = ['| batch | engine tok/s | HF generate tok/s | engine / HF | prefill tok/s | '
            'decode step ms | plain step ms | matmul floor ms | step / floor | plain / floor | '
@@ -322,6 +342,7 @@ def markdown_table(rows) -> str:
         f"{f(r['step_over_plain'], '.2f')} | "
         f"{f(r['host_s_per_step'] and 1e3 * r['host_s_per_step'], '.2f')}"
         f" | {f(r.get('token_agreement'), '.3f')} |")
+  lines += linear_table(rows, impls)
   bounds = [r for r in rows if r.get('engine_over_hf_if_step_at_floor')]
   if bounds:
     lines.append('')
@@ -364,18 +385,25 @@ def main(argv):
   if typed.mesh.model > 1:
     raise ConfigError(f'config.mesh.model={typed.mesh.model} is not allowed: bench_decode runs '
                       'on one device (1)')
+  impls = linear_impls(bench.linear_impls)
   workdir = cli.prepare_workdir(flags.FLAGS.workdir)
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   model_cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
-  step = CompiledStep(model_cfg, typed.attention.impl, decode_layers=bench.decode_layers)
-  engine = factory.make_engine(config, model_cfg, params, tokenizer, step_fn=step)
+  # One engine per linear impl, the first the one every other figure is measured with.
+  steps = {impl: CompiledStep(model_cfg, typed.attention.impl, decode_layers=bench.decode_layers,
+                              linear_impl=impl) for impl in impls}
+  engines = {impl: factory.make_engine(config, model_cfg, params, tokenizer, step_fn=steps[impl])
+             for impl in impls}
+  step, engine = steps[impls[0]], engines[impls[0]]
+  others = impls[1:]
   use_hf = bool(bench.hf)
   hf = hf_model_from_params(model_cfg, params) if use_hf else None
   out_len = int(bench.output_len)
   prompts = make_prompts(tokenizer, batches[-1], [bench.prompt_len] * batches[-1],
                          model_cfg.vocab_size, bench.seed)
-  floors = {b: matmul_floor_fn(model_cfg, params, b) for b in batches}
+  floor_impls = ['xla'] + [i for i in impls if i != 'xla']  # 'floor' stays XLA's dots
+  floors = {(i, b): matmul_floor_fn(model_cfg, params, b, i) for i in floor_impls for b in batches}
   plain_context = int(bench.prompt_len) + out_len // 2  # the engine's median decode context
   plains = {b: plain_step.timed_step_fn(model_cfg, params, b, plain_context) for b in batches}
   rounds = int(bench.rounds)
@@ -386,11 +414,17 @@ def main(argv):
   # compilations (0, reported) checks that.
   warm_len = min(out_len, int(bench.warmup_output_len))
   lens = lambda r: warm_len if r == 0 else out_len
+  floor_name = lambda i: 'floor' if i == 'xla' else f'floor_{i}'
   for b in batches:
     jobs.append(('engine', b, lambda r, b=b: engine_run(engine, prompts[:b], lens(r))))
+    for impl in others:
+      jobs.append((f'engine_{impl}', b,
+                   lambda r, b=b, impl=impl: engine_run(engines[impl], prompts[:b], lens(r))))
     if use_hf:
       jobs.append(('hf', b, lambda r, b=b: hf_generate(hf, prompts[:b], lens(r))))
-    jobs.append(('floor', b, lambda r, b=b: time_calls(floors[b], int(bench.floor_rounds))))
+    for impl in floor_impls:
+      jobs.append((floor_name(impl), b, lambda r, b=b, impl=impl: time_calls(
+          floors[(impl, b)], int(bench.floor_rounds))))
     jobs.append(('plain', b, lambda r, b=b: time_calls(plains[b], int(bench.floor_rounds))))
 
   results = {(name, b): [] for name, b, _ in jobs}
@@ -403,9 +437,9 @@ def main(argv):
       t0 = time.perf_counter()
       out = fn(r)
       wall = time.perf_counter() - t0
-      if name == 'engine':
+      if name.startswith('engine'):
         wall, ids, figs = out
-        outputs[('engine', b)] = ids
+        outputs[(name, b)] = ids
         if r:
           results[(name, b)].append({'wall_s': wall, **figs})
       elif name == 'hf':
@@ -416,8 +450,8 @@ def main(argv):
         results[(name, b)].append({f'{name}_s': out})
       bar.update()
     if r == 0:
-      compilations_warm = engine.num_compilations
-  compilations_timed = engine.num_compilations - compilations_warm
+      compilations_warm = sum(e.num_compilations for e in engines.values())
+  compilations_timed = sum(e.num_compilations for e in engines.values()) - compilations_warm
   bar.close()
 
   med = lambda rs, k: (float(np.median([x[k] for x in rs if x[k] is not None]))
@@ -434,6 +468,12 @@ def main(argv):
            'host_s_per_step': med(er, 'host_s_per_step'),
            'floor_s': med(results[('floor', b)], 'floor_s'),
            'plain_s': med(results[('plain', b)], 'plain_s')}
+    for impl in floor_impls[1:]:
+      row[f'floor_s_{impl}'] = med(results[(floor_name(impl), b)], f'floor_{impl}_s')
+    for impl in others:
+      row.update(linear_rows(er, results[(f'engine_{impl}', b)], impl, tokens))
+      row[f'token_agreement_{impl}'] = agreement(outputs[('engine', b)],
+                                                 outputs[(f'engine_{impl}', b)])
     row['step_over_floor'] = (row['decode_step_s'] / row['floor_s']
                               if row['decode_step_s'] else None)
     row['plain_over_floor'] = row['plain_s'] / row['floor_s']
@@ -472,6 +512,9 @@ def main(argv):
       'batches': batches, 'prompt_len': int(bench.prompt_len), 'output_len': out_len,
       'rounds': rounds, 'plain_context': plain_context,
       'decode_layers': step.decode_layers, 'unrolled_min_rows': step.unrolled_min_rows,
+      # The engines' linear layers: bench.linear_impls resolved on this backend; rows are the
+      # first's, the others' figures are the rows' *_<impl> fields.
+      'linear_impls': impls, 'linear_kernel_avx2': linear_cpu.uses_avx2(),
       # The attention path the engine ran: config.attention.impl, 'auto' resolved as the model
       # resolves it on this backend (on CPU: the native `cpu` kernel where it builds, else xla).
       'attention_impl': attention_impl(typed.attention.impl),
@@ -483,7 +526,7 @@ def main(argv):
       'profile_dir': profile,
       'load_average_1m': os.getloadavg()[0],
       'hf_generate_batch_available': bool(hf is not None and has_generate_batch(hf)),
-      'markdown_table': markdown_table(rows),
+      'markdown_table': markdown_table(rows, impls),
       'config': config.to_dict(),
       **run_info.environment(),
   }
@@ -492,13 +535,76 @@ def main(argv):
   plot(os.path.join(workdir, 'bench_decode.png'), rows)
   print(summary['markdown_table'])
   print(f'attention: {summary["attention_impl"]} (config.attention.impl='
-        f'{typed.attention.impl!r})')
+        f'{typed.attention.impl!r}); linear layers: {" vs ".join(impls)} '
+        f'(config.bench.linear_impls={tuple(bench.linear_impls)!r})')
   print(f'\nwrote {workdir}/summary.json, results.csv, bench_decode.png '
         f'(load average {summary["load_average_1m"]:.1f} on {os.cpu_count()} cores)')
 
 
+def linear_table(rows, impls) -> list:
+  """Lines of the linear-impl comparison (none with one impl)."""
+  if len(impls) < 2:
+    return []
+  f = lambda x, spec: '-' if x is None else format(x, spec)
+  first = impls[0]
+  lines = ['', f'Linear layers, `{first}` against each other impl (same prompts, same rounds; '
+           f'ratio = {first} decode step / the other\'s, per round, median):', '',
+           f'| batch | impl | engine tok/s | {first} engine tok/s | decode step ms | '
+           f'{first} decode step ms | step ratio {first} / impl | tokens same as {first} |',
+           '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    if r['kind'] != 'batch':
+      continue
+    for impl in impls[1:]:
+      step = r.get(f'decode_step_s_{impl}')
+      lines.append(
+          f"| {r['batch']} | {impl} | {f(r.get(f'engine_tokens_per_s_{impl}'), '.1f')} | "
+          f"{r['engine_tokens_per_s']:.1f} | {f(step and 1e3 * step, '.1f')} | "
+          f"{f(r['decode_step_s'] and 1e3 * r['decode_step_s'], '.1f')} | "
+          f"{f(r.get(f'decode_step_ratio_{impl}'), '.3f')} | "
+          f"{f(r.get(f'token_agreement_{impl}'), '.3f')} |")
+  floors = [k[len('floor_s_'):] for k in rows[0] if k.startswith('floor_s_')] if rows else []
+  for impl in floors:
+    lines.append('')
+    lines.append(f'Matmul floor ms, XLA dots / {impl}: ' + ', '.join(
+        f"batch {r['batch']} {1e3 * r['floor_s']:.1f} / {1e3 * r[f'floor_s_{impl}']:.1f}"
+        for r in rows if r['kind'] == 'batch'))
+  return lines
+
+
 def attention_impl(impl: str) -> str:
   return kernels.best_impl() if impl == 'auto' else impl
+
+
+def linear_impls(names) -> list:
+  """config.bench.linear_impls resolved on this backend ('auto' -> 'cpu' or 'xla'), in order,
+  each once."""
+  names = [names] if isinstance(names, str) else list(names)
+  if not names or any(n not in LINEAR_IMPLS for n in names):
+    raise ConfigError(f'config.bench.linear_impls={names!r} is not allowed: a non-empty tuple '
+                      f'of {LINEAR_IMPLS}')
+  resolved = []
+  for name in names:
+    try:
+      impl = linear_cpu.resolve(name)
+    except RuntimeError as e:
+      raise ConfigError(f'config.bench.linear_impls: {e}') from None
+    if impl not in resolved:
+      resolved.append(impl)
+  return resolved
+
+
+def linear_rows(first, other, impl: str, tokens: int) -> dict:
+  """Another linear impl's engine figures for a batch row: its tokens/s and decode step (medians
+  over rounds) and the per-round ratio of the first engine's decode step to its own, medianed
+  (rounds run both back to back, so a round's ratio sees one machine state)."""
+  steps = [(a['decode_step_s'], o['decode_step_s']) for a, o in zip(first, other)
+           if a['decode_step_s'] and o['decode_step_s']]
+  walls = [o['wall_s'] for o in other]
+  return {f'engine_tokens_per_s_{impl}': tokens / float(np.median(walls)) if walls else None,
+          f'decode_step_s_{impl}': (float(np.median([o for _, o in steps])) if steps else None),
+          f'decode_step_ratio_{impl}': (float(np.median([a / o for a, o in steps]))
+                                        if steps else None)}
 
 
 def run_trace(engine, hf, tokenizer, model_cfg, bench, n: int, out_len: int) -> dict:

@@ -61,7 +61,7 @@ from . import contract
 
 TARGET = 'pagedjax_paged_attention_cpu'
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc')
-SOURCES = ('paged_attention_cpu.cc', 'paged_attention_cpu_body.inc')
+SOURCES = ('paged_attention_cpu.cc', 'paged_attention_cpu_body.inc', 'cpu_parallel.inc')
 # Portable flags only (see the module docstring): -O3 vectorizes, -fopenmp-simd honours the simd
 # pragmas, -fno-math-errno lets std::exp skip errno (the kernel never reads it).
 CXXFLAGS = ('-O3', '-std=c++17', '-fPIC', '-shared', '-fopenmp-simd', '-fno-math-errno')
@@ -84,26 +84,28 @@ def _compiler_version(cxx):
   return done.stdout.splitlines()[0] if done.stdout else ''
 
 
-def library_path(cxx=None):
+def library_path(cxx=None, stem='paged_attention_cpu', sources=SOURCES):
   """The cached library's path for these sources, flags, compiler and jax/jaxlib versions (raises
-  OSError / CalledProcessError when the compiler does not run)."""
+  OSError / CalledProcessError when the compiler does not run). stem and sources name the
+  library (the linear-layer kernel, kernels/linear_cpu.py, is built the same way)."""
   cxx = cxx or _compiler()
   key = hashlib.sha256()
-  for name in SOURCES:
+  for name in sources:
     with open(os.path.join(_CSRC, name), 'rb') as f:
       key.update(f.read())
   import jaxlib  # pylint: disable=import-outside-toplevel
   for part in (*CXXFLAGS, cxx, _compiler_version(cxx), jax.__version__, jaxlib.__version__):
     key.update(part.encode() + b'\0')
-  return os.path.join(cache_dir(), f'paged_attention_cpu-{key.hexdigest()[:16]}.so')
+  return os.path.join(cache_dir(), f'{stem}-{key.hexdigest()[:16]}.so')
 
 
-def build(cxx=None):
-  """Compiles the kernel into the cache unless it is there; returns the library's path. Raises
-  RuntimeError naming the compiler and its last error lines when it cannot."""
+def build(cxx=None, stem='paged_attention_cpu', sources=SOURCES):
+  """Compiles a kernel library (sources[0] is its one translation unit, the rest what it
+  includes) into the cache unless it is there; returns the library's path. Raises RuntimeError
+  naming the compiler and its last error lines when it cannot."""
   cxx = cxx or _compiler()
   try:
-    path = library_path(cxx)
+    path = library_path(cxx, stem, sources)
   except (OSError, subprocess.SubprocessError) as e:
     raise RuntimeError(f'no working C++ compiler {cxx!r} ($CXX): {e}') from None
   if os.path.exists(path):
@@ -112,7 +114,7 @@ def build(cxx=None):
   fd, tmp = tempfile.mkstemp(suffix='.so.tmp', dir=os.path.dirname(path))
   os.close(fd)
   command = [cxx, *CXXFLAGS, '-isystem', jax.ffi.include_dir(),
-             os.path.join(_CSRC, SOURCES[0]), '-o', tmp]
+             os.path.join(_CSRC, sources[0]), '-o', tmp]
   try:
     done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
                           check=False)

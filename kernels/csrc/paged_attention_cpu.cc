@@ -20,18 +20,15 @@
 // is picked once at load time (__builtin_cpu_supports), so one build runs on any x86-64.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_parallel.inc"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,35 +107,7 @@ void merge(const Problem& P, int b, int h) {
   generic::merge_task(P, b, h);
 }
 
-// fn(i) for i in [0, n) over the thread pool and the calling thread. Items are claimed from a
-// shared counter, so the caller makes progress even if no pool thread ever picks a helper up
-// (the pool may be busy, or be the thread running this very call); it returns once every
-// claimed item is done. Helpers that start late find no item and only touch the shared state.
-template <class F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto drain = [shared, n](const F* body) {
-    for (int64_t i; (i = shared->next.fetch_add(1)) < n;) {
-      (*body)(i);
-      if (shared->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    }
-  };
-  // As many workers as the pool has threads, the caller one of them: the caller would
-  // otherwise sit idle, and one more runnable thread than cores only adds switching.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain, &fn] { drain(&fn); });
-  drain(&fn);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == n; });
-}
+// parallel_for: cpu_parallel.inc.
 
 // Splits per sequence when the caller leaves it to the kernel: enough tasks for about two per
 // thread (tasks differ in length; the spare ones even out the tail), but no split shorter

@@ -27,10 +27,12 @@ from jax.sharding import Mesh
 import numpy as np
 
 from pagedjax.device import pool as pool_lib
+from pagedjax.kernels import linear_cpu
 from pagedjax.model import sharding
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 LAYER_LOOPS = ('scan', 'unrolled')  # Llama.layer_loop
+LINEAR_IMPLS = linear_cpu.LINEAR_IMPLS  # Llama.linear_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,26 @@ class ModelConfig:
   tie_embeddings: bool = True
   qkv_bias: bool = False  # Qwen2-style checkpoints have biases on q/k/v
   dtype: str = 'float32'  # compute dtype; params stay float32
+
+
+# ------------------------------------------------------------------------------------------------
+# The linear layers' matmuls (linear_impl): 'xla' is XLA's dot; 'cpu' the native kernel
+# (kernels/linear_cpu.py) for float32 calls of at most linear_cpu.MAX_ROWS rows (decode steps),
+# XLA's dot above; 'auto' is 'cpu' on a CPU backend where the kernel builds, else 'xla'. Same
+# params, same math; the kernel sums in its own fixed order (float32 rounding differences).
+# ------------------------------------------------------------------------------------------------
+def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias: bool = False):
+  """nn.Dense whose matmul runs as linear_impl says."""
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype, name=name,
+                  dot_general=linear_cpu.dot_general(linear_impl))
+
+
+def tied_logits(x, embedding, linear_impl: str):
+  """The tied head x [..., D] @ embedding.T (nn.Embed.attend for float32 x and embedding [V, D])
+  through linear_impl: the kernel reads the embedding in place as the transposed operand."""
+  if linear_cpu.resolve(linear_impl) == 'cpu' and linear_cpu.runs_kernel(x, embedding):
+    return linear_cpu.linear(x, embedding, transposed=True)
+  return jnp.dot(x, embedding.T)
 
 
 def rope(x, positions, theta):
@@ -110,16 +132,16 @@ class Attention(nn.Module):
   cfg: ModelConfig
   attention_impl: str
   mesh: Optional[Mesh] = None
+  linear_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x, positions, pool, batch, layer):
     cfg = self.cfg
-    dtype = DTYPES[cfg.dtype]
-    dense = lambda n, name, bias=False: nn.Dense(n, use_bias=bias, dtype=dtype, name=name)
+    proj = lambda n, name, bias=False: dense(n, name, DTYPES[cfg.dtype], self.linear_impl, bias)
     b, t, _ = x.shape
-    q = dense(cfg.num_heads * cfg.head_dim, 'q_proj', cfg.qkv_bias)(x)
-    k = dense(cfg.num_kv_heads * cfg.head_dim, 'k_proj', cfg.qkv_bias)(x)
-    v = dense(cfg.num_kv_heads * cfg.head_dim, 'v_proj', cfg.qkv_bias)(x)
+    q = proj(cfg.num_heads * cfg.head_dim, 'q_proj', cfg.qkv_bias)(x)
+    k = proj(cfg.num_kv_heads * cfg.head_dim, 'k_proj', cfg.qkv_bias)(x)
+    v = proj(cfg.num_kv_heads * cfg.head_dim, 'v_proj', cfg.qkv_bias)(x)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -132,34 +154,37 @@ class Attention(nn.Module):
     else:
       out, pool = write_and_attend(pool, layer, q, k, v, positions, batch,
                                    self.attention_impl, self.mesh)
-    out = dense(cfg.d_model, 'o_proj')(out.reshape(b, t, -1))
+    out = proj(cfg.d_model, 'o_proj')(out.reshape(b, t, -1))
     return out, pool
 
 
 class Mlp(nn.Module):
   cfg: ModelConfig
+  linear_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x):
-    dtype = DTYPES[self.cfg.dtype]
-    dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=dtype, name=name)
-    hidden = nn.silu(dense(self.cfg.ffn_dim, 'gate_proj')(x)) * dense(self.cfg.ffn_dim,
-                                                                        'up_proj')(x)
-    return dense(self.cfg.d_model, 'down_proj')(hidden)
+    proj = lambda n, name: dense(n, name, DTYPES[self.cfg.dtype], self.linear_impl)
+    hidden = nn.silu(proj(self.cfg.ffn_dim, 'gate_proj')(x)) * proj(self.cfg.ffn_dim,
+                                                                      'up_proj')(x)
+    return proj(self.cfg.d_model, 'down_proj')(hidden)
 
 
 class DecoderLayer(nn.Module):
   cfg: ModelConfig
   attention_impl: str
   mesh: Optional[Mesh] = None
+  linear_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, carry, positions, batch):
     x, pool, layer = carry
-    attn_out, pool = Attention(self.cfg, self.attention_impl, self.mesh, name='attn')(
+    attn_out, pool = Attention(self.cfg, self.attention_impl, self.mesh, self.linear_impl,
+                               name='attn')(
         RMSNorm(self.cfg.norm_eps, name='attn_norm')(x), positions, pool, batch, layer)
     x = x + attn_out
-    x = x + Mlp(self.cfg, name='mlp')(RMSNorm(self.cfg.norm_eps, name='mlp_norm')(x))
+    x = x + Mlp(self.cfg, self.linear_impl, name='mlp')(
+        RMSNorm(self.cfg.norm_eps, name='mlp_norm')(x))
     return (x, pool, layer + 1), None
 
 
@@ -180,11 +205,15 @@ class Llama(nn.Module):
   call (a dynamic-slice it does not fuse into the dot), the whole model's weights per decode
   step; unrolled, every dot reads its own weight array in place. The scan compiles several
   times faster, so it stays the default (prefill chunks, accelerators, the mesh path).
+
+  linear_impl picks how the linear layers and the output head multiply (LINEAR_IMPLS, see
+  `dense` above); with a mesh they are XLA's dots (GSPMD partitions those, not the kernel).
   """
   cfg: ModelConfig
   attention_impl: str = 'reference'
   mesh: Optional[Mesh] = None  # tensor-parallel mesh with axis 'model' (pagedjax/model/sharding.py)
   layer_loop: str = 'scan'  # 'scan' | 'unrolled' (LAYER_LOOPS)
+  linear_impl: str = 'auto'  # 'auto' | 'xla' | 'cpu' (LINEAR_IMPLS)
 
   @nn.compact
   def __call__(self, tokens, positions, pool=None, batch=None,
@@ -193,14 +222,15 @@ class Llama(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, name='embed',
                      embedding_init=nn.initializers.normal(0.02))
     x = embed(tokens).astype(DTYPES[cfg.dtype])
+    linear_impl = 'xla' if self.mesh is not None else self.linear_impl
     if self.layer_loop == 'scan':
       layers = nn.scan(DecoderLayer, variable_axes={'params': 0}, split_rngs={'params': True},
                        in_axes=(nn.broadcast, nn.broadcast), length=cfg.num_layers)
-      (x, pool, _), _ = layers(cfg, self.attention_impl, self.mesh, name='layers')(
+      (x, pool, _), _ = layers(cfg, self.attention_impl, self.mesh, linear_impl, name='layers')(
           (x, pool, jnp.int32(0)), positions, batch)
     elif self.layer_loop == 'unrolled':
       for i in range(cfg.num_layers):
-        (x, pool, _), _ = DecoderLayer(cfg, self.attention_impl, self.mesh,
+        (x, pool, _), _ = DecoderLayer(cfg, self.attention_impl, self.mesh, linear_impl,
                                        name=f'layer_{i}')((x, pool, jnp.int32(i)), positions, batch)
     else:
       raise ValueError(f'layer_loop={self.layer_loop!r} is not allowed: one of {LAYER_LOOPS}')
@@ -208,9 +238,10 @@ class Llama(nn.Module):
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
     if cfg.tie_embeddings:
-      logits = embed.attend(x.astype(jnp.float32))
+      logits = tied_logits(x.astype(jnp.float32), embed.embedding.astype(jnp.float32),
+                           linear_impl)
     else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, name='lm_head')(x.astype(jnp.float32))
+      logits = dense(cfg.vocab_size, 'lm_head', None, linear_impl)(x.astype(jnp.float32))
     return logits.astype(jnp.float32), pool
 
 
@@ -267,17 +298,17 @@ def embed_tokens(cfg: ModelConfig, params, tokens):
   return embed.apply({'params': params['params']['embed']}, tokens).astype(DTYPES[cfg.dtype])
 
 
-def layer_qkv(cfg: ModelConfig, lp, x, positions):
+def layer_qkv(cfg: ModelConfig, lp, x, positions, linear_impl: str = 'auto'):
   """lp: one decoder layer's params (params['params']['layers'] at one index); x [B, T, D],
   positions [B, T] (-1 = padding) -> q [B, T, Hq, Dh], k, v [B, T, Hkv, Dh]: attn_norm, the
-  projections and RoPE, as Attention computes them."""
+  projections and RoPE, as Attention computes them (linear_impl as Llama's)."""
   dtype = DTYPES[cfg.dtype]
   h = RMSNorm(cfg.norm_eps).apply({'params': lp['attn_norm']}, x)
   b, t, _ = x.shape
 
   def project(name, heads):
-    dense = nn.Dense(heads * cfg.head_dim, use_bias=cfg.qkv_bias, dtype=dtype)
-    return dense.apply({'params': lp['attn'][name]}, h).reshape(b, t, heads, cfg.head_dim)
+    proj = dense(heads * cfg.head_dim, None, dtype, linear_impl, cfg.qkv_bias)
+    return proj.apply({'params': lp['attn'][name]}, h).reshape(b, t, heads, cfg.head_dim)
 
   q, k, v = (project('q_proj', cfg.num_heads), project('k_proj', cfg.num_kv_heads),
              project('v_proj', cfg.num_kv_heads))
@@ -285,26 +316,25 @@ def layer_qkv(cfg: ModelConfig, lp, x, positions):
   return rope(q, rope_positions, cfg.rope_theta), rope(k, rope_positions, cfg.rope_theta), v
 
 
-def layer_output(cfg: ModelConfig, lp, x, attn):
+def layer_output(cfg: ModelConfig, lp, x, attn, linear_impl: str = 'auto'):
   """The rest of a decoder layer after attention: attn [B, T, Hq, Dh] -> o_proj, residual,
   mlp_norm, MLP, residual -> x [B, T, D]."""
-  dtype = DTYPES[cfg.dtype]
   b, t, _ = x.shape
-  o_proj = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype)
+  o_proj = dense(cfg.d_model, None, DTYPES[cfg.dtype], linear_impl)
   x = x + o_proj.apply({'params': lp['attn']['o_proj']}, attn.reshape(b, t, -1))
   h = RMSNorm(cfg.norm_eps).apply({'params': lp['mlp_norm']}, x)
-  return x + Mlp(cfg).apply({'params': lp['mlp']}, h)
+  return x + Mlp(cfg, linear_impl).apply({'params': lp['mlp']}, h)
 
 
-def final_logits(cfg: ModelConfig, params, x):
+def final_logits(cfg: ModelConfig, params, x, linear_impl: str = 'auto'):
   """x [..., D] after the last layer -> logits [..., V] float32: final_norm and the vocabulary
   projection (tied or lm_head), as Llama's last lines."""
   p = params['params']
   x = RMSNorm(cfg.norm_eps).apply({'params': p['final_norm']}, x)
   if cfg.tie_embeddings:
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model)
-    logits = embed.apply({'params': p['embed']}, x.astype(jnp.float32), method='attend')
+    logits = tied_logits(x.astype(jnp.float32),
+                         jnp.asarray(p['embed']['embedding'], jnp.float32), linear_impl)
   else:
-    lm_head = nn.Dense(cfg.vocab_size, use_bias=False)
+    lm_head = dense(cfg.vocab_size, None, None, linear_impl)
     logits = lm_head.apply({'params': p['lm_head']}, x.astype(jnp.float32))
   return logits.astype(jnp.float32)

@@ -85,16 +85,19 @@ class CompiledStep:
 
   def __init__(self, cfg: ModelConfig, attention_impl: str = 'reference',
                return_logits: bool = False, mesh: Optional[Mesh] = None,
-               return_topk: int = 0, decode_layers: str = 'auto',
+               return_topk: int = 0, decode_layers: str = 'auto', linear_impl: str = 'auto',
                _per_layer: Optional[_PerLayerParams] = None):
     """mesh: run tensor-parallel on it; cfg must then be the sharded model's (sharding.py).
     return_topk: K > 0 also returns [B, K] token ids (int32) and log-probs (float32).
-    decode_layers: how decode calls run the layers (DECODE_LAYERS, unrolled_min_rows)."""
+    decode_layers: how decode calls run the layers (DECODE_LAYERS, unrolled_min_rows).
+    linear_impl: how the linear layers multiply (llama.LINEAR_IMPLS: 'auto' = the native CPU
+    kernel for decode-sized calls on CPU, kernels/linear_cpu.py)."""
     self.num_compilations = 0
     self.return_logits = return_logits
     self.return_topk = return_topk
     self.mesh = mesh
     self.decode_layers = decode_layers
+    self.linear_impl = linear_impl
     self.unrolled_min_rows = unrolled_min_rows(decode_layers, mesh)
     self._args = (cfg, attention_impl, return_logits, mesh)
     self._topk_steps = {}
@@ -126,16 +129,18 @@ class CompiledStep:
                                                                 replicated)
       return ((pool, tokens, logits) if return_logits else (pool, tokens)) + topk
 
-    self._jitted = make_step(Llama(cfg, attention_impl, mesh))
+    self._jitted = make_step(Llama(cfg, attention_impl, mesh, linear_impl=linear_impl))
     self._jitted_unrolled = (
         None if self.unrolled_min_rows is None else
-        make_step(Llama(cfg, attention_impl, mesh, layer_loop='unrolled')))
+        make_step(Llama(cfg, attention_impl, mesh, layer_loop='unrolled',
+                        linear_impl=linear_impl)))
 
   def with_topk(self, k: int) -> 'CompiledStep':
     """The same step also returning each row's top-k (built once per k, then reused)."""
     if k not in self._topk_steps:
       self._topk_steps[k] = CompiledStep(*self._args, return_topk=k,
                                          decode_layers=self.decode_layers,
+                                         linear_impl=self.linear_impl,
                                          _per_layer=self._per_layer)
     return self._topk_steps[k]
 

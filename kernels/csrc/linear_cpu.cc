@@ -1,0 +1,117 @@
+// Linear layers for XLA:CPU as a typed-FFI custom call (kernels/linear_cpu.py builds, registers
+// and calls it): y[M, N] = x[M, K] @ W, float32, W read in place either as [K, N] (a Dense
+// kernel, [in, out]) or as [N, K] (attribute transposed = 1: a tied embedding as the output
+// head, x @ E^T, with no transposed copy).
+//
+// Work: y's columns are cut into blocks, one task per block, handed out over XLA's intra-op
+// thread pool (the FFI's ThreadPool context, as the attention kernel does); the calling thread is
+// one of the workers. Blocks are a multiple of the widest register tile, about four per thread
+// so uneven tasks even out, and no smaller than kMinBlockColumns. The body
+// (linear_cpu_body.inc) is compiled for the baseline ISA and for AVX2 + FMA; the copy this CPU
+// runs is picked once at load time.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "cpu_parallel.inc"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pagedjax_cpu {
+
+namespace generic {
+#define PAGEDJAX_AVX2 0
+#include "linear_cpu_body.inc"
+#undef PAGEDJAX_AVX2
+}  // namespace generic
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(PAGEDJAX_BASELINE_ONLY)
+#define PAGEDJAX_HAVE_AVX2_COPY 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#define PAGEDJAX_AVX2 1
+#include "linear_cpu_body.inc"
+#undef PAGEDJAX_AVX2
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+bool linear_uses_avx2() {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+using ColumnsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*,
+                           int64_t, int64_t);
+
+ColumnsFn columns_for(bool transposed) {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  if (linear_uses_avx2()) return transposed ? avx2::columns_nk : avx2::columns_kn;
+#endif
+  return transposed ? generic::columns_nk : generic::columns_kn;
+}
+
+constexpr int64_t kMinBlockColumns = 32;
+
+// Columns per task: a multiple of 64 (the widest tile) when there are enough columns, about
+// four tasks per thread, at least kMinBlockColumns.
+int64_t block_columns(int64_t n, int64_t threads) {
+  const int64_t tasks = 4 * std::max<int64_t>(1, threads);
+  int64_t cols = (n + tasks - 1) / tasks;
+  const int64_t quantum = cols >= 64 ? 64 : 16;
+  cols = (cols + quantum - 1) / quantum * quantum;
+  return std::max(kMinBlockColumns, cols);
+}
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("linear_cpu: x, w and y must be 2-D");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t N = transposed ? wd[0] : wd[1];
+  if ((transposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != N) {
+    return ffi::Error::InvalidArgument(
+        "linear_cpu: shapes disagree: x [" + std::to_string(M) + ", " + std::to_string(K) +
+        "], w [" + std::to_string(wd[0]) + ", " + std::to_string(wd[1]) + "] (transposed=" +
+        std::to_string(transposed) + "), y [" + std::to_string(yd[0]) + ", " +
+        std::to_string(yd[1]) + "]");
+  }
+  float* out = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out, 0, sizeof(float) * size_t(M) * size_t(N));
+    return ffi::Error::Success();
+  }
+  const ColumnsFn columns = columns_for(transposed != 0);
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  const int64_t cols = block_columns(N, pool.num_threads());
+  parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
+    columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace pagedjax_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, pagedjax_cpu::Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("transposed"));
+
+// Which copy of the kernel body this CPU runs (kernels/linear_cpu.py reports it): 1 for AVX2.
+extern "C" int LinearCpuUsesAvx2() { return pagedjax_cpu::linear_uses_avx2() ? 1 : 0; }

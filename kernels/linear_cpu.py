@@ -1,0 +1,118 @@
+"""Linear layers as a native C++ kernel for XLA:CPU, called through JAX's typed FFI.
+
+`linear(x, w)` is x [..., K] @ w [K, N] (a Dense kernel, [in, out]); `linear(x, e,
+transposed=True)` is x @ e.T for e [N, K] (a tied embedding as the output head), read in place
+with no transposed copy. The kernel (kernels/csrc/linear_cpu.cc, body in linear_cpu_body.inc)
+is for the few rows of a decode step, where XLA:CPU's dots (YNNPACK from 2 rows, its own
+matrix-vector loop at 1 row) leave memory bandwidth and the second core unused: y's columns are
+cut into blocks over XLA's intra-op thread pool (the attention kernel's FFI ThreadPool route), and
+each block runs register tiles of rows x columns (up to 12 vector accumulators; AVX2 + FMA where
+the CPU has it, picked at load time, else 4-float vectors), streaming w's rows as they lie in
+memory. Float32 only; numerics: one sum per output in a fixed order (w [K, N]: k = 0, 1, ... with
+fused multiply-adds; w [N, K]: 8 interleaved partial sums, then their sum), so results differ
+from XLA's dots by float32 rounding (a few ulp of the sum's magnitude) and do not depend on the
+thread count.
+
+Built like kernels/cpu.py's attention kernel (cpu.build: the C++ compiler at first use, cached
+under ~/.cache/pagedjax/kernels by a hash of sources, flags, compiler and jax versions); without
+a compiler `available()` is False and `linear_impl='auto'` stays on XLA's dots.
+
+LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of at most MAX_ROWS rows,
+XLA's dots above), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
+"""
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cpu
+
+TARGET = 'pagedjax_linear_cpu'
+SOURCES = ('linear_cpu.cc', 'linear_cpu_body.inc', 'cpu_parallel.inc')
+LINEAR_IMPLS = ('auto', 'xla', 'cpu')
+# Calls with more rows (prefill chunks: rows x chunk tokens) keep XLA's dots, whose packed GEMMs
+# are compute-bound there; the kernel is for the memory-bound decode rows.
+MAX_ROWS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+  """(ctypes library, None) once built, loaded and registered; (None, reason) otherwise."""
+  try:
+    path = cpu.build(stem='linear_cpu', sources=SOURCES)
+    lib = ctypes.cdll.LoadLibrary(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.LinearCpu), platform='cpu')
+  except (RuntimeError, OSError, AttributeError) as e:
+    return None, str(e)
+  return lib, None
+
+
+def available():
+  """Whether the native linear kernel is built (or could be, now) and registered."""
+  return _load()[0] is not None
+
+
+def unavailable_reason():
+  return _load()[1]
+
+
+def uses_avx2():
+  lib = _load()[0]
+  return bool(lib is not None and lib.LinearCpuUsesAvx2())
+
+
+def resolve(impl: str) -> str:
+  """'auto' -> 'cpu' on a CPU backend where the kernel builds, else 'xla'; checks the name."""
+  if impl not in LINEAR_IMPLS:
+    raise ValueError(f'linear_impl={impl!r} is not allowed: one of {LINEAR_IMPLS}')
+  if impl == 'auto':
+    return 'cpu' if jax.default_backend() == 'cpu' and available() else 'xla'
+  if impl == 'cpu' and not available():
+    raise RuntimeError(f'linear_impl="cpu" needs the native kernel, which is unavailable: '
+                       f'{unavailable_reason()}; use linear_impl="xla"')
+  return impl
+
+
+def runs_kernel(x, w) -> bool:
+  """Whether linear_impl='cpu' runs the kernel for these operands (else XLA's dot)."""
+  rows = int(np.prod(x.shape[:-1]))
+  return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
+          and 0 < rows <= MAX_ROWS)
+
+
+def linear(x, w, *, transposed=False, impl='cpu'):
+  """x [..., K] @ w [K, N] (transposed: @ w.T for w [N, K]) -> [..., N] in x's dtype.
+  impl 'cpu' runs the kernel where runs_kernel says so, XLA's dot elsewhere."""
+  impl = resolve(impl)
+  if impl == 'xla' or not runs_kernel(x, w):
+    return jnp.dot(x, w.T if transposed else w)
+  k = x.shape[-1]
+  n = w.shape[0] if transposed else w.shape[1]
+  if (w.shape[1] if transposed else w.shape[0]) != k:
+    raise ValueError(f'linear: x {x.shape} and w {w.shape} (transposed={transposed}) do not '
+                     'contract')
+  rows = int(np.prod(x.shape[:-1]))
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                          vmap_method='sequential')
+  y = call(x.reshape(rows, k), w, transposed=np.int64(bool(transposed)))
+  return y.reshape(*x.shape[:-1], n)
+
+
+def dot_general(impl: str):
+  """A `dot_general` for flax.linen.Dense(dot_general=...): Dense's contraction (x's last axis
+  with the kernel's first) through `linear`; any other contraction is lax.dot_general."""
+  impl = resolve(impl)
+  if impl == 'xla':
+    return jax.lax.dot_general
+
+  def fn(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+    (lhs_c, rhs_c), batch = dimension_numbers
+    dense = (tuple(lhs_c) == (x.ndim - 1,) and tuple(rhs_c) == (0,) and not batch[0]
+             and w.ndim == 2 and preferred_element_type in (None, x.dtype))
+    if dense and runs_kernel(x, w):
+      return linear(x, w, impl='cpu')
+    return jax.lax.dot_general(x, w, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+  return fn

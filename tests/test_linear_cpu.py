@@ -1,0 +1,89 @@
+"""The native CPU linear-layer kernel (kernels/linear_cpu.py): against a float64 oracle for both
+weight layouts, row counts around its register tiles and column / depth tails; the dispatch
+rules (XLA's dot for prefill-sized calls, non-float32 operands and other contractions); and the
+engine on a tiny model with the kernel against XLA's dots: the same greedy tokens, logits within
+float32 rounding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.kernels import linear_cpu
+from pagedjax.model.llama import Llama, ModelConfig, init_params
+from pagedjax.model.step import CompiledStep
+from pagedjax.host.requests.sampling_params import SamplingParams
+from tiny_models import make_engine, prompts, tiny
+
+needs_kernel = pytest.mark.skipif(
+    jax.default_backend() != 'cpu' or not linear_cpu.available(),
+    reason=f'the native linear kernel runs on a CPU backend where it builds: '
+           f'{linear_cpu.unavailable_reason()}')
+
+
+def _oracle(x, w, transposed):
+  x64, w64 = x.astype(np.float64), w.astype(np.float64)
+  return x64 @ (w64.T if transposed else w64)
+
+
+@needs_kernel
+@pytest.mark.parametrize('transposed', [False, True])
+def test_kernel_matches_the_float64_oracle(transposed):
+  """Rows 1-13 cover every tile height (1-6 and chunks of 6 / 3); columns 200 and K 37 leave
+  vector and column tails; error bounded by float32 rounding of the sum of |x| |w|."""
+  rng = np.random.default_rng(0)
+  fn = jax.jit(lambda x, w: linear_cpu.linear(x, w, transposed=transposed))
+  for rows, k, n in ((1, 576, 200), (2, 37, 64), (5, 64, 19), (7, 300, 136), (13, 37, 200)):
+    x = rng.standard_normal((rows, k), np.float32)
+    w = rng.standard_normal((n, k) if transposed else (k, n), np.float32)
+    got = np.asarray(fn(x, w))
+    bound = np.abs(x).astype(np.float64) @ np.abs(w.T if transposed else w).astype(np.float64)
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    assert np.all(np.abs(got - _oracle(x, w, transposed)) <= 1e-6 * bound + 1e-30), (rows, k, n)
+
+
+@needs_kernel
+def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
+  """Leading axes fold into rows; above MAX_ROWS rows, for bfloat16 operands and for other
+  contractions the dot is XLA's (no custom call in the program)."""
+  x = jnp.ones((2, 3, 8), jnp.float32)
+  w = jnp.arange(8 * 5, dtype=jnp.float32).reshape(8, 5) / 40
+  assert linear_cpu.linear(x, w).shape == (2, 3, 5)
+  lowered = lambda f, *a: jax.jit(f).lower(*a).as_text()
+  assert 'pagedjax_linear_cpu' in lowered(linear_cpu.linear, x, w)
+  big = jnp.ones((linear_cpu.MAX_ROWS + 1, 8), jnp.float32)
+  assert 'pagedjax_linear_cpu' not in lowered(linear_cpu.linear, big, w)
+  assert 'pagedjax_linear_cpu' not in lowered(linear_cpu.linear, x.astype(jnp.bfloat16),
+                                              w.astype(jnp.bfloat16))
+  dot = linear_cpu.dot_general('cpu')
+  batched = lambda a, b: dot(a, b, (((2,), (1,)), ((0,), (0,))))
+  assert 'pagedjax_linear_cpu' not in lowered(batched, x, jnp.ones((2, 8, 4)))
+  np.testing.assert_allclose(np.asarray(dot(x, w, (((2,), (0,)), ((), ())))),
+                             np.asarray(x) @ np.asarray(w), rtol=1e-6)
+  assert linear_cpu.resolve('auto') == 'cpu' and linear_cpu.resolve('xla') == 'xla'
+  with pytest.raises(ValueError, match=r"linear_impl='blas' is not allowed: one of"):
+    linear_cpu.resolve('blas')
+
+
+@needs_kernel
+def test_engine_with_the_kernel_gives_xlas_greedy_tokens():
+  """The tiny GQA model decoding two prompts (prefill chunks of 16 tokens x 2 rows: 32 rows, so
+  prefill runs the kernel too) through the tests' shared step (linear_impl 'auto': the kernel)
+  and through XLA's dots: the same greedy tokens, logits within float32 summation-order
+  tolerance."""
+  cfg, _, shared = tiny('gqa')
+  assert shared.linear_impl == 'auto' and linear_cpu.resolve(shared.linear_impl) == 'cpu'
+  ps, sampling = prompts([5, 17], seed=3), SamplingParams(max_new_tokens=4)
+  out = {'cpu': make_engine('gqa').generate(ps, sampling),  # the session's shared step
+         'xla': make_engine('gqa', step_fn=CompiledStep(cfg, return_logits=True,
+                                                        linear_impl='xla')).generate(ps, sampling)}
+  for a, b in zip(out['cpu'], out['xla']):
+    assert a.output_ids == b.output_ids
+    np.testing.assert_allclose(np.stack(a.logits), np.stack(b.logits), atol=2e-5, rtol=0)
+  # An untied head runs through the kernel as a Dense kernel [D, V].
+  untied = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=16, ffn_dim=64, max_seq_len=64, tie_embeddings=False)
+  params = init_params(untied, seed=2)
+  tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+  logits = {impl: Llama(untied, linear_impl=impl).apply(params, tokens, jnp.arange(5)[None])[0]
+            for impl in ('cpu', 'xla')}
+  np.testing.assert_allclose(np.asarray(logits['cpu']), np.asarray(logits['xla']), atol=2e-5)
