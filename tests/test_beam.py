@@ -1,7 +1,6 @@
 """Beam search (beam.py) through the engine: selection against brute force on the tiny model,
-beam width 1 against greedy, and block bookkeeping while beams fork and drop."""
-import json
-
+beam width 1 against greedy, and block bookkeeping while beams fork and drop. The sharing
+study's beam part runs in tests/test_sharing.py (test_reproduce_sharing_tiny, `:tiny_beam`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,7 @@ from pagedjax.engine import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
 
 from fakes import check_blocks
-from tiny_models import VOCAB, dense_fn, make_engine, prompts, run_experiment, tiny
+from tiny_models import VOCAB, dense_fn, make_engine, prompts, tiny
 
 
 def _logprobs(ids_batch):
@@ -96,7 +95,7 @@ def test_beam_beats_greedy_and_frees_blocks(width):
   holders after every iteration, every block is free at the end, sharing saved memory, and
   each request's best beam scores at least greedy's under the dense model."""
   ps = prompts([37, 33, 20], seed=11)
-  engine = make_engine(num_blocks=48, max_batch_size=8)
+  engine = make_engine(max_batch_size=8)  # the roomy engine of test_beams_survive_preemption
   greedy = make_engine().generate(ps, SamplingParams(max_new_tokens=5))
   ids = [engine.submit(p, SamplingParams(max_new_tokens=5, beam_width=width)) for p in ps]
   other = engine.submit(ps[0], SamplingParams(max_new_tokens=7))
@@ -119,7 +118,7 @@ def test_beams_stop_on_eos_with_length_penalty():
   """With an EOS the beams meet, finished hypotheses end in it and are ranked by the GNMT
   length-penalized score; blocks are all free afterwards, the prefix cache's aside."""
   prompt = prompts([37], seed=3)[0]
-  engine = make_engine(num_blocks=32, eos_id=37, prefix_caching=True)
+  engine = make_engine(eos_id=37, prefix_caching=True)
   out = _run(engine, prompt, SamplingParams(max_new_tokens=8, beam_width=3,
                                             length_penalty=0.6))
   assert any(ids[-1] == 37 for ids, _ in out.beams)
@@ -148,23 +147,6 @@ def test_beam_requests_rejected():
     engine.submit([1, 2, 3], SamplingParams(beam_width=2, temperature=1.0))
   with pytest.raises(RequestError, match='beam_width=-1'):
     engine.submit([1, 2, 3], SamplingParams(beam_width=-1))
-
-
-def test_reproduce_sharing_beam_study(tmp_path):
-  """The sharing experiment's beam study end to end (`:tiny_beam`), in its own process like
-  test_sharing's smoke run: beams share blocks on both traces."""
-  run = run_experiment('experiments.reproduce_sharing',
-                       '--config=configs/reproduce_sharing.py:tiny_beam', f'--workdir={tmp_path}')
-  assert run.returncode == 0, run.stderr[-3000:]
-  with open(tmp_path / 'summary.json') as f:
-    s = json.load(f)
-  assert 0 < s['beam_search']['alpaca']['beam2'] < 1
-  assert 0 < s['beam_search']['sharegpt']['beam2'] < 1
-  with open(tmp_path / 'results.jsonl') as f:
-    rows = [json.loads(line) for line in f]
-  beams = [r for r in rows if r['study'] == 'beam_search']
-  assert [(r['dataset'], r['beam_width']) for r in beams] == [('alpaca', 2), ('sharegpt', 2)]
-  assert all(r['rejected_requests'] == 0 and r['finished_requests'] == 3 for r in beams)
 
 
 @pytest.mark.parametrize('preemption', ['recompute', 'swap'])

@@ -119,14 +119,16 @@ def test_block_invariants_under_random_workloads(ops, preemption, caching, evict
 
 
 def test_reproduce_sharing_tiny(tmp_path):
-  """The experiment end to end on its :tiny config, in this process (cli.run_config, as the
-  command line runs it): table, CSV, plot and summary. Figures are checked for sense, not for
-  the goals, which need the full-size trace."""
+  """The experiment end to end on its :tiny_beam config (:tiny and the beam study), in this
+  process (cli.run_config, as the command line runs it): table, CSV, plot and summary. Figures
+  are checked for sense, not for the goals, which need the full-size trace; beams share blocks
+  on both traces."""
   from configs import reproduce_sharing as sharing_config  # pylint: disable=import-outside-toplevel
   from experiments import reproduce_sharing  # pylint: disable=import-outside-toplevel
-  config = sharing_config.get_config('tiny')
+  config = sharing_config.get_config('tiny_beam')
+  assert sharing_config.get_config('tiny').beam_search.beam_widths == []  # else the same
   s, stdout = run_tiny(reproduce_sharing.study, config, tmp_path, check=reproduce_sharing.check)
-  check_outputs(tmp_path, stdout)
+  check_outputs(tmp_path, stdout, variant='tiny_beam')
   assert s == json.loads((tmp_path / 'summary.json').read_text())
   sp, mt, ps = s['shared_prompt'], s['multi_turn'], s['parallel_sampling']
   assert s['prefix_hit_rate'] == sp['prefix_hit_rate'] and 0 < sp['prefix_hit_rate'] < 1
@@ -135,9 +137,15 @@ def test_reproduce_sharing_tiny(tmp_path):
   assert sp['runs']['uncached']['prefix_hit_rate_tokens'] is None
   assert 0 < ps['alpaca']['n2'] < 1 and 0 < ps['sharegpt']['n2'] < 1
   assert set(s['goals']) == {'prefill_reduction', 'ttft_speedup'}
+  assert 0 < s['beam_search']['alpaca']['beam2'] < 1
+  assert 0 < s['beam_search']['sharegpt']['beam2'] < 1
   with open(tmp_path / 'results.jsonl') as f:
-    studies = [json.loads(line)['study'] for line in f]
-  assert studies == ['shared_prompt'] * 2 + ['multi_turn'] * 2 + ['parallel_sampling'] * 2
+    rows = [json.loads(line) for line in f]
+  assert [r['study'] for r in rows] == (['shared_prompt'] * 2 + ['multi_turn'] * 2 +
+                                        ['parallel_sampling'] * 2 + ['beam_search'] * 2)
+  beams = [r for r in rows if r['study'] == 'beam_search']
+  assert [(r['dataset'], r['beam_width']) for r in beams] == [('alpaca', 2), ('sharegpt', 2)]
+  assert all(r['rejected_requests'] == 0 and r['finished_requests'] == 3 for r in beams)
   with open(tmp_path / 'results.csv') as f:
     rows = list(csv.DictReader(f))
   assert [(r['study'], r['dataset'], r['prefix_caching']) for r in rows[:2]] == [
