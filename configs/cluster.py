@@ -22,10 +22,10 @@ tokens by hash id): 10 prefill replicas of a Llama-3-70B-shaped model on 8 x A10
 paper's A800s), 3M tokens of cache each, outputs cut to one token; every router with local
 caches, then a few with one shared store of the replicas' pooled 30M tokens under them
 (pagedjax/cluster/sim.py's SharedStore) and each replica's own cache cut to a working set of 8
-longest prompts (so both hold 30M tokens in all). Scaled by `workload.length_scale` (1/8: blocks of 64
-tokens, the engines' block size, so the trace's reuse is kept block for block; the caches
-scale with it, 375 K tokens per replica) with arrival gaps scaled alike (`time_scale`), so the
-tokens per second the replicas see stay the trace's. `:tiny_mooncake` is its test-sized run
+longest prompts (so both hold about 30M tokens in all). Scaled by `workload.length_scale`
+(1/8: blocks of 64 tokens, the engines' block size, so the trace's reuse is kept block for
+block; the caches scale with it, 375 K tokens per replica) with arrival gaps scaled alike
+(`time_scale`), so the tokens per second the replicas see stay the trace's. `:tiny_mooncake` is its test-sized run
 (the first 300 requests at 1/64, 4 replicas of 2,048 tokens, three rows).
 """
 import ml_collections

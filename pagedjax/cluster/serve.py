@@ -160,9 +160,10 @@ class KVEventBus:
   publish(replica, wire_batch, state, summary, serving): a replica's batch
   (kv_events.batch_to_wire, or None), its ReplicaState fields, its Engine.summary() (or None)
   and the request ids (RoutedPrompt.request_id) it has in flight. serving(request_id) -> the
-  replicas whose latest publication lists it (a test kills the one serving its request). since(cursor) -> (next cursor, [(replica, wire batch)], {replica:
-  state}, lost): what came after `cursor`; lost is True when the bus had already dropped some
-  of it (it keeps the last `max_batches`), and the reader must then start its index over.
+  replicas whose latest publication lists it (a test kills the one serving its request).
+  since(cursor) -> (next cursor, [(replica, wire batch)], {replica: state}, lost): what came
+  after `cursor`; lost is True when the bus had already dropped some of it (it keeps the last
+  `max_batches`), and the reader must then start its index over.
   forget(replica): the replica is gone; readers get an AllBlocksCleared for it. summaries():
   each replica's Engine.summary() as it last published it (when it last went idle)."""
 
