@@ -23,6 +23,7 @@ from pagedjax.model import streamed_attention as sa
 from pagedjax.engine import Engine
 from pagedjax.host.requests.intake import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling.offload_store import OffloadStore
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
 from tiny_models import engine_config, prompts, tiny
 
@@ -148,6 +149,31 @@ def test_disk_placement_gives_the_all_device_tokens(reference, tmp_path):
     engine.submit(prompts([220], seed=3)[0], SamplingParams(max_new_tokens=12))
   assert [p.name for p in tmp_path.iterdir()][0].startswith('offload-')
   engine.offload.store.close()  # its directory goes with it
+  assert not list(tmp_path.iterdir())
+
+
+def test_offload_store_keeps_every_dtype_bit_for_bit_on_both_tiers(tmp_path):
+  # A quantized pool's fields (int8 codes, bfloat16 and float32 scales) through host RAM (ids
+  # 1..3) and the disk tier (4..8), read one layer at a time with padding and a repeated id.
+  shapes = {'k': ((2, 9, 2, 4, 8), np.int8), 'k_scale': ((2, 9, 2, 4), jnp.bfloat16),
+            'v_scale': ((2, 9, 2), np.float32)}
+  store = OffloadStore(shapes, host_blocks=3, disk_blocks=5, disk_kvstore=str(tmp_path),
+                       placement='host')
+  ids = store.allocator.allocate(7)
+  assert ids == [1, 2, 3, 4, 5, 6, 7]  # host RAM first, then the disk tier
+  rng = np.random.default_rng(0)
+  data = {name: (rng.integers(-128, 128, (2, 7) + shape[2:]) if dtype == np.int8 else
+                 rng.normal(size=(2, 7) + shape[2:])).astype(dtype)
+          for name, (shape, dtype) in shapes.items()}
+  store.store(ids, data)
+  read = [0, 6, 2, 6, 4]  # padding, disk, host, disk again, disk
+  got = store.start_read(1, read)()
+  for name, want in data.items():
+    expect = np.stack([np.zeros_like(want[1, 0]) if i == 0 else want[1, i - 1] for i in read])
+    assert got[name].dtype == want.dtype
+    assert got[name].tobytes() == expect.tobytes()
+  assert store.bytes_read['disk'] == 3 * store.layer_block_bytes  # padding is not counted
+  store.close()
   assert not list(tmp_path.iterdir())
 
 
