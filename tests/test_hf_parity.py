@@ -7,6 +7,7 @@ logits of order 1-10, atol = rtol = 1e-4 (observed differences are ~1e-6).
 """
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,9 @@ torch = pytest.importorskip('torch', reason='HF parity needs the test extra (tor
 transformers = pytest.importorskip('transformers', reason='HF parity needs transformers')
 
 ATOL = RTOL = 1e-4
+# One program per model shape: run op by op, the forward would compile each of its ~100
+# operations on its own, again for every shape.
+forward_dense = jax.jit(model.forward_dense, static_argnums=0)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             rope_theta=10000.0, rms_norm_eps=1e-6)
@@ -70,7 +74,7 @@ def test_logits_match_transformers(tmp_path, variant):
   tokens = np.random.default_rng(0).integers(0, TINY['vocab_size'], (2, 12))
   with torch.no_grad():
     want = hf_model(torch.as_tensor(tokens)).logits.numpy()
-  got = np.asarray(model.forward_dense(cfg, params, jnp.asarray(tokens, jnp.int32)))
+  got = np.asarray(forward_dense(cfg, params, jnp.asarray(tokens, jnp.int32)))
   assert np.abs(want).max() > 1.0  # the comparison is not between near-zero logits
   np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
 
@@ -112,5 +116,5 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2):
   tokens = np.array([tok.encode('The capital of France is Paris. It is a city of')])
   with torch.no_grad():
     want = hf_model(torch.as_tensor(tokens)).logits.numpy()
-  got = np.asarray(model.forward_dense(cfg, params, jnp.asarray(tokens, jnp.int32)))
+  got = np.asarray(forward_dense(cfg, params, jnp.asarray(tokens, jnp.int32)))
   np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-4)  # logits ~30, 30 layers deep
