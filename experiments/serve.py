@@ -305,8 +305,8 @@ def study(config, workdir: str) -> dict:
   # One compilation cache for this process and every replica (they inherit the environment):
   # the single engine compiles first, the replicas load what it compiled.
   share_compilation_cache(os.path.join(workdir, 'jit-cache'))
-  single = single_engine_tokens(typed, requests, tokenizer)
-  with serve_lib.ray_started():  # one Ray for every router's deployment
+  with serve_lib.ray_started():  # one Ray for every router's deployment, forked before jax runs
+    single = single_engine_tokens(typed, requests, tokenizer)
     live = [live_router(config, typed, tokenizer, row, requests) for row in s.routers]
   for row, (figures, mine) in zip(s.routers, live):
     for r in mine:

@@ -29,12 +29,13 @@ PREFIX = ('In the beginning God created the heaven and the earth. And the earth 
 def setup(request):
   config = factory.typed(serve_config.get_config('tiny'))
   tokenizer = serve_study.tokenizer_for(config)  # loaded once: the replicas get this one
-  engine = factory.build_engine(config, tokenizer)
-  serve_lib.warm_up(engine)  # compiled here first: the replicas load it from the test run's cache
   deployment = serve_lib.ServeDeployment(config, 2, ('precise', 'precise', {}),
                                          tokenizer=tokenizer, request_timeout_s=TIMEOUT_S,
                                          start_timeout_s=240)
   request.addfinalizer(deployment.stop)  # Ray, and Serve with it, down whatever happens below
+  deployment.start_ray()  # before jax runs here: Ray forks its processes first
+  engine = factory.build_engine(config, tokenizer)
+  serve_lib.warm_up(engine)  # compiled here first: the replicas load it from the test run's cache
   deployment.start()
   return deployment, engine, tokenizer
 

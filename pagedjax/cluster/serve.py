@@ -662,10 +662,17 @@ class ServeDeployment:
     self.start_s = time.monotonic() - t0
     return self
 
-  def _start(self) -> None:
+  def start_ray(self) -> 'ServeDeployment':
+    """Ray, if none is running yet (start() does it too; stop() shuts down a Ray this started).
+    A driver that will run jax itself starts Ray first: Ray's processes are forked before
+    jax's threads exist."""
     if not ray.is_initialized():
       ray.init(namespace=BUS_NAMESPACE, **self.ray_init)
       self._started_ray = True
+    return self
+
+  def _start(self) -> None:
+    self.start_ray()
     self.bus = KVEventBus.options(name=self.bus_name, namespace=BUS_NAMESPACE).remote()
     serve.start(http_options={'host': '127.0.0.1', 'port': self.port},
                 logging_config={'enable_access_log': False})
