@@ -19,6 +19,7 @@ from experiments import serve as serve_study
 from pagedjax import factory
 from pagedjax.cluster import serve as serve_lib
 from pagedjax.config import ConfigError
+from pagedjax.host import kv_events
 
 TIMEOUT_S = 60.0
 PREFIX = ('In the beginning God created the heaven and the earth. And the earth was without '
@@ -121,6 +122,21 @@ def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup)
   assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
   _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
   assert victim not in states  # the router told the bus to forget it (and cleared its blocks)
+
+
+def test_a_shared_store_deployment_needs_a_disk_tier_and_its_router_shares_the_disk(tmp_path):
+  """Without Ray: the wiring a deployment on one shared store gets (its replicas' disk tiers
+  share blocks as tests/test_shared_store.py shows for engines)."""
+  config = factory.typed(serve_config.get_config('tiny'))
+  with pytest.raises(ValueError, match='shared_store=True needs a disk tier'):
+    serve_lib.ServeDeployment(config, 2, shared_store=True)
+  kwargs = serve_lib.router_config(('precise', 'precise', {}), 'bus',
+                                   shared_store=True).request_router_kwargs
+  router = object.__new__(serve_lib.PagedjaxRequestRouter)  # its state alone, no Serve
+  router.initialize_state(**kwargs)
+  assert router.kv_index.shared_media == {'DISK'} and router.policy.index is router.kv_index
+  router.kv_index.apply(0, [kv_events.BlockStored((7,), None, (), 16, None, 'DISK')])
+  assert router.kv_index.match([7], [0, 1]) == {0: [3], 1: [3]}
 
 
 def test_study_config_errors_are_named_and_requests_share_prefixes():

@@ -60,6 +60,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedjax.cluster import routers as routers_lib
 from pagedjax.cluster.index import KVIndex
 from pagedjax.host import kv_events
+from pagedjax.host.tiers import disk_store
 from pagedjax.host.requests.intake import RequestError
 from pagedjax.host.requests.sampling_params import as_params, brief
 
@@ -380,19 +381,26 @@ class PagedjaxRequestRouter(RequestRouter):
 
   request_router_kwargs: router (a registry name or 'module:Class'), router_kwargs (its keyword
   arguments), bus (the KVEventBus actor's name), pull_timeout_s (the longest a decision waits
-  for the bus; past it, the router decides on what it already has)."""
+  for the bus; past it, the router decides on what it already has), shared_store (the replicas'
+  disk tiers are one shared store, disk_store.make_shared: the index counts a block any of them
+  announced on disk as on every replica's)."""
 
   def initialize_state(self, router: str = 'precise', router_kwargs: Optional[dict] = None,
-                       bus: str = '', pull_timeout_s: float = 0.5):
+                       bus: str = '', pull_timeout_s: float = 0.5, shared_store: bool = False):
     self.policy = routers_lib.make_router(router, **(router_kwargs or {}))
-    self.kv_index = KVIndex()
-    if getattr(self.policy, 'index', False) is None:
-      self.policy.index = self.kv_index  # routers that read the KV index read this one
+    self._shared_media = (kv_events.MEDIUM_DISK,) if shared_store else ()
+    self._links_index = getattr(self.policy, 'index', False) is None
+    self._new_index()
     self._bus_name, self._bus, self._pull_timeout_s = bus, None, pull_timeout_s
     self._cursor = 0
     self._states: Dict[str, dict] = {}
     self._numbers: Dict[str, int] = {}  # replica unique id -> the int the policy sees
     self.decisions, self.pull_failures = 0, 0
+
+  def _new_index(self) -> None:
+    self.kv_index = KVIndex(shared_media=self._shared_media)
+    if self._links_index:
+      self.policy.index = self.kv_index  # routers that read the KV index read this one
 
   def _number(self, uid: str) -> int:
     return self._numbers.setdefault(uid, len(self._numbers))
@@ -407,8 +415,7 @@ class PagedjaxRequestRouter(RequestRouter):
       self.pull_failures += 1  # decide on what is known; the next pull catches up
       return
     if lost:  # the bus dropped batches this router never read: start the index over
-      for uid in self._numbers:
-        self.kv_index.apply(self._numbers[uid], [kv_events.AllBlocksCleared(None)])
+      self._new_index()
     for uid, wire in batches:
       self.kv_index.apply(self._number(uid), kv_events.batch_from_wire(wire))
     self._cursor, self._states = cursor, states
@@ -456,9 +463,10 @@ class PagedjaxRequestRouter(RequestRouter):
       self._forget(replica_id)
 
 
-def router_config(row, bus: str) -> RequestRouterConfig:
+def router_config(row, bus: str, shared_store: bool = False) -> RequestRouterConfig:
   """A Serve RequestRouterConfig for a router row (label, name, kwargs): name is 'ray_pow2',
-  'ray_prefix' (Ray's, kwargs to its initialize_state) or a pagedjax router."""
+  'ray_prefix' (Ray's, kwargs to its initialize_state) or a pagedjax router (told whether the
+  replicas share one disk store)."""
   label, name, kwargs = row
   if name in RAY_ROUTERS:
     return RequestRouterConfig(request_router_class=RAY_ROUTERS[name],
@@ -466,7 +474,8 @@ def router_config(row, bus: str) -> RequestRouterConfig:
   routers_lib.make_router(name, **dict(kwargs))  # a bad row fails here, named, not in Serve
   return RequestRouterConfig(
       request_router_class=PagedjaxRequestRouter,
-      request_router_kwargs=dict(router=name, router_kwargs=dict(kwargs), bus=bus))
+      request_router_kwargs=dict(router=name, router_kwargs=dict(kwargs), bus=bus,
+                                 shared_store=shared_store))
 
 
 # ---- the HTTP ingress -------------------------------------------------------------------------
@@ -631,9 +640,19 @@ class ServeDeployment:
 
   def __init__(self, config, replicas: int, row=('precise', 'precise', {}), *, tokenizer=None,
                port: int = 0, max_ongoing_requests: int = 32, request_timeout_s: float = 120.0,
-               start_timeout_s: float = 300.0, ray_init: Optional[dict] = None):
+               start_timeout_s: float = 300.0, ray_init: Optional[dict] = None,
+               shared_store: bool = False):
+    """shared_store: the replicas' disk tiers (config.tiers.disk_kvstore, disk_blocks) are one
+    store, marked shared before they start (disk_store.make_shared): a block one replica
+    computed is a tier-3 hit on the others and on a replica that replaces a dead one, and the
+    router counts it on every replica."""
     if not isinstance(replicas, int) or replicas < 1:
       raise ValueError(f'replicas={replicas!r} is not allowed: an integer >= 1')
+    if shared_store and not (config.tiers.disk_blocks and config.tiers.disk_kvstore):
+      raise ValueError(f'shared_store=True needs a disk tier to share: config.tiers.disk_blocks='
+                       f'{config.tiers.disk_blocks} and disk_kvstore='
+                       f'{config.tiers.disk_kvstore!r} (a store URL and its slots)')
+    self.shared_store = shared_store
     self.config, self.replicas, self.row, self.tokenizer = config, replicas, row, tokenizer
     self.port = port or free_port()
     self.url = f'http://127.0.0.1:{self.port}{ROUTE}'
@@ -673,13 +692,15 @@ class ServeDeployment:
 
   def _start(self) -> None:
     self.start_ray()
+    if self.shared_store:  # marked before any replica opens it
+      disk_store.make_shared(self.config.tiers.disk_kvstore, self.config.tiers.disk_blocks)
     self.bus = KVEventBus.options(name=self.bus_name, namespace=BUS_NAMESPACE).remote()
     serve.start(http_options={'host': '127.0.0.1', 'port': self.port},
                 logging_config={'enable_access_log': False})
     engines = serve.deployment(EngineReplica).options(
         name='EngineReplica', num_replicas=self.replicas, ray_actor_options={'num_cpus': 0},
         max_ongoing_requests=self.max_ongoing_requests,
-        request_router_config=router_config(self.row, self.bus_name),
+        request_router_config=router_config(self.row, self.bus_name, self.shared_store),
         health_check_period_s=2, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name, self.tokenizer)
     ingress = serve.deployment(CompletionsIngress).options(
