@@ -40,7 +40,6 @@ Writes to WORKDIR:
                     the load average, config, versions, git state
 Every figure but the routing cost is simulated seconds, and says so.
 """
-import dataclasses
 import os
 import time
 
