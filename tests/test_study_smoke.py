@@ -37,6 +37,7 @@ STUDIES = {
     'bench_attention': ('experiments.bench_attention',
                         'test_bench_attention.py::test_bench_attention_tiny_writes_summary_csv_and_plot'),
     'policy_lab': ('experiments.policy_lab', 'test_policy_lab.py::test_tiny_study'),
+    'policy_lab_sim': ('experiments.policy_lab_sim', 'test_policy_lab.py::test_tiny_simulated_node'),
     'cluster': ('experiments.cluster', 'test_cluster.py::test_study_writes_its_files'),
     'recompute_storm': ('experiments.recompute_storm', 'test_study_smoke.py::test_tiny_pipeline'),
     'thrashing': ('experiments.thrashing', 'test_study_smoke.py::test_tiny_pipeline'),
