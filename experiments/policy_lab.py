@@ -31,7 +31,13 @@ capacity is also compared with LRU: regret = optimum - policy, gap closed = (pol
 Tuning (config.lab.tune): each tunable policy's parameter is chosen on the first half of the
 requests (the best hit rate at lab.gap_capacity), then both halves are replayed with it: the
 gain over LRU on the second half, against the first half's, says whether the tuning carries
-over to requests it never saw. The full-trace rows use the first half's choice.
+over to requests it never saw. The full-trace rows use the first half's choice. The rows in
+FITTED (host/predictive_policies.py) fit their return model on the first half as well (a
+Recorder's replay through an infinite cache; studies/return_model.py), and are checked the same
+way.
+
+Tier arrangements (config.lab.tiers; TierReplay below): the replay with host-RAM and disk tiers
+under the device cache, through the real tier code, hit rate by the tier that served each block.
 
 Writes to WORKDIR:
   curves.csv      one line per (row, capacity): hit rate, regret, gap closed, evictions, host
@@ -45,8 +51,9 @@ Writes to WORKDIR:
   tiers.csv, tiers.png  hit rate by tier per arrangement (lab.tiers), sizes in tokens
   summary.json    the curves, the ceiling (replayed, and counted from the hash ids), the goals
                   and whether each was met, the tuning, host time per request, config, versions
-Host time is this process's wall time around the replay of each point; on a shared machine it is
-a figure under load (summary.json records the load average).
+Host time is this process's wall time around the replay of each point (summary.json also has it
+per row, per phase, and per request replayed); on a shared machine it is a figure under load
+(summary.json records the load average at the start and the end).
 """
 import bisect
 import itertools
@@ -692,7 +699,7 @@ def plot(config, curves: list, ceiling: float, workdir: str) -> None:
 def study(config, workdir: str) -> dict:
   lab = config.lab
   records = load(config)
-  start = time.perf_counter()
+  start, load_start = time.perf_counter(), os.getloadavg()
   phase_s, replays = {}, {}  # wall seconds and requests replayed, per phase
 
   def phase(name, began, requests):
@@ -760,7 +767,7 @@ def study(config, workdir: str) -> dict:
       'phase_s': phase_s, 'requests_replayed_by_phase': replays,
       'wall_s': wall_s, 'requests_replayed': sum(replays.values()),
       'wall_us_per_request_replayed': 1e6 * wall_s / max(sum(replays.values()), 1),
-      'load_average_end': os.getloadavg(),
+      'load_average_start': load_start, 'load_average_end': os.getloadavg(),
       'timing_note': 'wall time of this process on a shared machine: a figure under load',
       **run_info.summary_fields(config)}
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
