@@ -32,8 +32,8 @@ def get_config(arg=None):
   config.sim_lab = ml_collections.ConfigDict(dict(
       trace=policy_lab.TRACE, start=0, limit=1000, time_scale=10.0, cache_tokens=3e6,
       rows=list(ROWS),
-      params={'session_recency': 2.0, 's3fifo': 0.4, 'hit_density': 8.0, 'lrfu': 1.0,
-              'return_predictor': 2.0},
+      params={'session_recency': 2.0, 's3fifo': 0.4, 'hit_density': 8.0, 'lrfu': 2.0,
+              'return_predictor': 4.0},
       lab_summary='', model='llama3-70b', hardware='a100-80gb', tp=8, max_seq_len=131072,
       max_batch_size=64, prefill_chunk=2048, max_num_batched_tokens=8192))
   if arg == 'tiny':
