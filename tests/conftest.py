@@ -28,28 +28,6 @@ if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
                              ' --xla_backend_optimization_level=0').strip()
 
 
-# The files that take longest, longest first (`pytest --durations=0`, summed per file, quiet
-# machine; refresh when one moves a lot). The workers take whole files (pytest.ini: loadfile)
-# in collection order, so handing out the longest first and the many short files last lets
-# the two workers finish together (longest processing time first). Without this, xdist orders
-# files by their number of tests, which puts the few-test, long files (whole studies) last.
-LONGEST_FIRST = (
-    'test_serve.py', 'test_beam.py', 'test_sharding.py', 'test_kv_ablation.py',
-    'test_decode_experiment.py', 'test_paged_decode.py', 'test_hf_parity.py', 'test_kernels.py',
-    'test_scheme_identity.py', 'test_study_smoke.py', 'test_bench_decode.py', 'test_sweep.py',
-    'test_readme_snippet.py', 'test_kv_tiers_engine.py', 'test_simulator.py', 'test_quant.py',
-    'test_long_context.py', 'test_prefix_cache.py', 'test_reproduce_policies.py',
-    'test_sharing.py', 'test_preemption.py', 'test_weights.py', 'test_sessions.py',
-)
-
-
-def pytest_collection_modifyitems(items):
-  """Test files in LONGEST_FIRST order, then the rest as collected; tests keep their order
-  within a file (a stable sort)."""
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
-
-
 @pytest.fixture(scope='session')
 def weights_cache_dir():
   """The converted-weight cache the experiments use too (~/.cache/pagedjax): converted once per
