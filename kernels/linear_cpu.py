@@ -3,22 +3,23 @@
 `linear(x, w)` is x [..., K] @ w [K, N] (a Dense kernel, [in, out]); `linear(x, e,
 transposed=True)` is x @ e.T for e [N, K] (a tied embedding as the output head), read in place
 with no transposed copy. The kernel (kernels/csrc/linear_cpu.cc, body in linear_cpu_body.inc)
-is for the few rows of a decode step, where XLA:CPU's dots (YNNPACK from 2 rows, its own
-matrix-vector loop at 1 row) leave memory bandwidth and the second core unused: y's columns are
-cut into blocks over XLA's intra-op thread pool (the attention kernel's FFI ThreadPool route), and
-each block runs register tiles of rows x columns (up to 12 vector accumulators; AVX2 + FMA where
-the CPU has it, picked at load time, else 4-float vectors), streaming w's rows as they lie in
-memory. Float32 only; numerics: one sum per output in a fixed order (w [K, N]: k = 0, 1, ... with
-fused multiply-adds; w [N, K]: 8 interleaved partial sums, then their sum), so results differ
-from XLA's dots by float32 rounding (a few ulp of the sum's magnitude) and do not depend on the
-thread count.
+is for the few rows of a decode step, where XLA:CPU's dots (YNNPACK from 2 rows) leave memory
+bandwidth unused: y's columns are cut into blocks over XLA's intra-op thread pool (the attention
+kernel's FFI ThreadPool route), each block running register tiles of rows x columns (up to 12
+vector accumulators; AVX2 + FMA where the CPU has it, picked at load time, else 4-float
+vectors), in L2-sized panels with W prefetched ahead when more than 4 rows reuse them; with 1-2
+rows W's rows are instead streamed whole in fixed ranges of 32 rows whose sums are added in order.
+Float32 only; numerics: one sum per output in a fixed order (w [K, N]: k = 0, 1, ... with fused
+multiply-adds, per range of 32 rows at 1-2 rows; w [N, K]: 8 interleaved partial sums, then their
+sum), so results differ from XLA's dots by float32 rounding (about 1e-6 relative) and do not
+depend on the thread count.
 
 Built like kernels/cpu.py's attention kernel (cpu.build: the C++ compiler at first use, cached
 under ~/.cache/pagedjax/kernels by a hash of sources, flags, compiler and jax versions); without
 a compiler `available()` is False and `linear_impl='auto'` stays on XLA's dots.
 
-LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of at most MAX_ROWS rows,
-XLA's dots above), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
+LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
+XLA's dots otherwise), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
 """
 import ctypes
 import functools
@@ -32,9 +33,11 @@ from . import cpu
 TARGET = 'pagedjax_linear_cpu'
 SOURCES = ('linear_cpu.cc', 'linear_cpu_body.inc', 'cpu_parallel.inc')
 LINEAR_IMPLS = ('auto', 'xla', 'cpu')
-# Calls with more rows (prefill chunks: rows x chunk tokens) keep XLA's dots, whose packed GEMMs
-# are compute-bound there; the kernel is for the memory-bound decode rows.
-MAX_ROWS = 64
+# The rows (x's leading axes together) for which the model's linear layers run the kernel. Above
+# MAX_ROWS (prefill chunks: rows x chunk tokens) XLA's packed GEMMs are compute-bound and the
+# kernel is not faster; at one row XLA's own matrix-vector loop measured faster than the
+# kernel's (docs/decode_speed.md), so a lone decode row keeps it too.
+MIN_ROWS, MAX_ROWS = 2, 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +82,7 @@ def runs_kernel(x, w) -> bool:
   """Whether linear_impl='cpu' runs the kernel for these operands (else XLA's dot)."""
   rows = int(np.prod(x.shape[:-1]))
   return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
-          and 0 < rows <= MAX_ROWS)
+          and MIN_ROWS <= rows <= MAX_ROWS)
 
 
 def linear(x, w, *, transposed=False, impl='cpu'):
@@ -88,6 +91,14 @@ def linear(x, w, *, transposed=False, impl='cpu'):
   impl = resolve(impl)
   if impl == 'xla' or not runs_kernel(x, w):
     return jnp.dot(x, w.T if transposed else w)
+  return kernel(x, w, transposed=transposed)
+
+
+def kernel(x, w, *, transposed=False):
+  """The native kernel itself, for any row count: x [..., K] float32 @ w [K, N] float32 (transposed:
+  @ w.T for w [N, K]) -> [..., N] float32. `linear` is what the model calls."""
+  if not available():
+    raise RuntimeError(f'the native linear kernel is unavailable: {unavailable_reason()}')
   k = x.shape[-1]
   n = w.shape[0] if transposed else w.shape[1]
   if (w.shape[1] if transposed else w.shape[0]) != k:

@@ -28,11 +28,13 @@ def _oracle(x, w, transposed):
 @needs_kernel
 @pytest.mark.parametrize('transposed', [False, True])
 def test_kernel_matches_the_float64_oracle(transposed):
-  """Rows 1-13 cover every tile height (1-6 and chunks of 6 / 3); columns 200 and K 37 leave
-  vector and column tails; error bounded by float32 rounding of the sum of |x| |w|."""
+  """Rows 1-13 cover every tile height (1-6 and chunks of 6 / 3) and the 1-2 row streaming path
+  (K 576 and 300: several row ranges, summed in order); columns 200 and K 37 leave vector and
+  column tails; error bounded by float32 rounding of the sum of |x| |w|."""
   rng = np.random.default_rng(0)
-  fn = jax.jit(lambda x, w: linear_cpu.linear(x, w, transposed=transposed))
-  for rows, k, n in ((1, 576, 200), (2, 37, 64), (5, 64, 19), (7, 300, 136), (13, 37, 200)):
+  fn = jax.jit(lambda x, w: linear_cpu.kernel(x, w, transposed=transposed))
+  for rows, k, n in ((1, 576, 200), (2, 300, 67), (2, 37, 64), (5, 64, 19), (7, 300, 136),
+                      (13, 37, 200)):
     x = rng.standard_normal((rows, k), np.float32)
     w = rng.standard_normal((n, k) if transposed else (k, n), np.float32)
     got = np.asarray(fn(x, w))
@@ -43,8 +45,9 @@ def test_kernel_matches_the_float64_oracle(transposed):
 
 @needs_kernel
 def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
-  """Leading axes fold into rows; above MAX_ROWS rows, for bfloat16 operands and for other
-  contractions the dot is XLA's (no custom call in the program)."""
+  """Leading axes fold into rows; below MIN_ROWS (a lone row) and above MAX_ROWS rows, for
+  bfloat16 operands and for other contractions the dot is XLA's (no custom call in the
+  program)."""
   x = jnp.ones((2, 3, 8), jnp.float32)
   w = jnp.arange(8 * 5, dtype=jnp.float32).reshape(8, 5) / 40
   assert linear_cpu.linear(x, w).shape == (2, 3, 5)
@@ -52,6 +55,7 @@ def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
   assert 'pagedjax_linear_cpu' in lowered(linear_cpu.linear, x, w)
   big = jnp.ones((linear_cpu.MAX_ROWS + 1, 8), jnp.float32)
   assert 'pagedjax_linear_cpu' not in lowered(linear_cpu.linear, big, w)
+  assert 'pagedjax_linear_cpu' not in lowered(linear_cpu.linear, x[:1, :1], w)
   assert 'pagedjax_linear_cpu' not in lowered(linear_cpu.linear, x.astype(jnp.bfloat16),
                                               w.astype(jnp.bfloat16))
   dot = linear_cpu.dot_general('cpu')

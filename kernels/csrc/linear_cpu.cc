@@ -3,7 +3,9 @@
 // kernel, [in, out]) or as [N, K] (attribute transposed = 1: a tied embedding as the output
 // head, x @ E^T, with no transposed copy).
 //
-// Work: y's columns are cut into blocks, one task per block, handed out over XLA's intra-op
+// Work: with W [K, N] and 1-2 rows, W's rows in fixed ranges of kStreamK, one task each, streamed
+// whole into partial sums that are then added in range order. Otherwise y's columns are cut into
+// blocks, one task per block, handed out over XLA's intra-op
 // thread pool (the FFI's ThreadPool context, as the attention kernel does); the calling thread is
 // one of the workers. Blocks are a multiple of the widest register tile, about four per thread
 // so uneven tasks even out, and no smaller than kMinBlockColumns. The body
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu_parallel.inc"
 #include "xla/ffi/api/ffi.h"
@@ -53,6 +56,13 @@ bool linear_uses_avx2() {
 using ColumnsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*,
                            int64_t, int64_t);
 
+ColumnsFn stream_for() {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  if (linear_uses_avx2()) return avx2::stream_kn;
+#endif
+  return generic::stream_kn;
+}
+
 ColumnsFn columns_for(bool transposed) {
 #ifdef PAGEDJAX_HAVE_AVX2_COPY
   if (linear_uses_avx2()) return transposed ? avx2::columns_nk : avx2::columns_kn;
@@ -61,6 +71,10 @@ ColumnsFn columns_for(bool transposed) {
 }
 
 constexpr int64_t kMinBlockColumns = 32;
+// W [K, N] with at most kStreamMaxRows rows of x: tasks of kStreamK rows of W each (a fixed
+// count, so the order of the sums does not depend on the threads), streamed whole.
+constexpr int64_t kStreamMaxRows = 2;
+constexpr int64_t kStreamK = 32;
 
 // Columns per task: a multiple of 64 (the widest tile) when there are enough columns, about
 // four tasks per thread, at least kMinBlockColumns.
@@ -93,9 +107,29 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     std::memset(out, 0, sizeof(float) * size_t(M) * size_t(N));
     return ffi::Error::Success();
   }
-  const ColumnsFn columns = columns_for(transposed != 0);
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
+  if (!transposed && M <= kStreamMaxRows && K > kStreamK) {
+    // Each task's sums over its kStreamK rows of W, then y = their sum in task order.
+    const ColumnsFn stream = stream_for();
+    const int64_t tasks = (K + kStreamK - 1) / kStreamK;
+    std::vector<float> parts(size_t(tasks * M * N));
+    parallel_for(pool, tasks, [&](int64_t t) {
+      stream(xp, M, K, wp, N, parts.data() + t * M * N, t * kStreamK,
+             std::min(K, (t + 1) * kStreamK));
+    });
+    const int64_t cols = block_columns(M * N, pool.num_threads());
+    parallel_for(pool, (M * N + cols - 1) / cols, [&](int64_t i) {
+      const int64_t e1 = std::min(M * N, (i + 1) * cols);
+      for (int64_t e = i * cols; e < e1; ++e) {
+        float s = parts[e];
+        for (int64_t t = 1; t < tasks; ++t) s += parts[t * M * N + e];
+        out[e] = s;
+      }
+    });
+    return ffi::Error::Success();
+  }
+  const ColumnsFn columns = columns_for(transposed != 0);
   const int64_t cols = block_columns(N, pool.num_threads());
   parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
     columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));

@@ -54,9 +54,10 @@ class ModelConfig:
 
 # ------------------------------------------------------------------------------------------------
 # The linear layers' matmuls (linear_impl): 'xla' is XLA's dot; 'cpu' the native kernel
-# (kernels/linear_cpu.py) for float32 calls of at most linear_cpu.MAX_ROWS rows (decode steps),
-# XLA's dot above; 'auto' is 'cpu' on a CPU backend where the kernel builds, else 'xla'. Same
-# params, same math; the kernel sums in its own fixed order (float32 rounding differences).
+# (kernels/linear_cpu.py) for float32 calls of linear_cpu.MIN_ROWS to MAX_ROWS rows (decode
+# steps of 2-64 rows), XLA's dot otherwise; 'auto' is 'cpu' on a CPU backend where the kernel
+# builds, else 'xla'. Same params, same math; the kernel sums in its own fixed order (float32
+# rounding differences).
 # ------------------------------------------------------------------------------------------------
 def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias: bool = False):
   """nn.Dense whose matmul runs as linear_impl says."""
