@@ -27,8 +27,13 @@ _CACHE = {}  # one model per process: every point of a sweep shares it and its c
 def _model(config):
   key = json.dumps(config.model.to_dict(), sort_keys=True)
   if key not in _CACHE:
+    # A sweep over model shapes (gqa) keeps the tokenizer: random models all borrow the same
+    # one, and parsing its GGUF costs seconds per point.
+    source = (config.model.source, config.model.path)
+    kept = _CACHE.get('tokenizer') if _CACHE.get('tokenizer_source') == source else None
     _CACHE.clear()
-    _CACHE[key] = factory.load_model_and_tokenizer(config)
+    _CACHE[key] = factory.load_model_and_tokenizer(config, tokenizer=kept)
+    _CACHE['tokenizer'], _CACHE['tokenizer_source'] = _CACHE[key][2], source
   return _CACHE[key]
 
 
