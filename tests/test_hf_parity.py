@@ -100,10 +100,18 @@ def test_missing_tensor_is_named(tmp_path):
     weights.load_safetensors_dir(str(tmp_path))
 
 
-@pytest.mark.slow  # ~20 s: transformers parses and dequantizes the GGUF itself
-def test_smollm2_logits_match_transformers_gguf_loader(smollm2):
+@pytest.mark.slow  # ~15 s: transformers parses and dequantizes the GGUF itself
+def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
   """Real weights: transformers' own GGUF dequantize + q/k unpermute gives the same logits."""
+  import functools
+  import gguf
   from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+  # transformers parses the file once per call below and builds the same tensor-name map once
+  # per module (~400 times): both are functions of their arguments alone, so they are memoized
+  # for this test (transformers imports them from gguf at each call). Its parse, name mapping
+  # and dequantization are still what runs.
+  monkeypatch.setattr(gguf, 'GGUFReader', functools.lru_cache(gguf.GGUFReader))
+  monkeypatch.setattr(gguf, 'get_tensor_name_map', functools.lru_cache(gguf.get_tensor_name_map))
   cfg, params, tok = smollm2
   path = weights.smollm2_gguf_path()
   hf_config = load_gguf_checkpoint(path)['config']
