@@ -6,8 +6,12 @@ byte-level BPE with the pre-tokenizer llama.cpp calls "smollm" (every digit its 
 the GPT-2 byte-level regex, no prefix space).
 """
 import json
+import mmap
 import os
-from typing import Optional, Sequence
+import struct
+from typing import Dict, Optional, Sequence
+
+import numpy as np
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
@@ -93,11 +97,10 @@ class Tokenizer:
   @classmethod
   def from_gguf(cls, path: str) -> 'Tokenizer':
     """Byte-level BPE from a GGUF file's tokenizer.ggml.* metadata."""
-    import gguf  # deferred: only GGUF users need it
     if not os.path.isfile(path):
       raise FileNotFoundError(f'GGUF file not found: {path!r}')
-    reader = gguf.GGUFReader(path)
-    field = lambda key: reader.fields[key].contents() if key in reader.fields else None
+    metadata = gguf_metadata(path)
+    field = metadata.get
     kind, pre = field('tokenizer.ggml.model'), field('tokenizer.ggml.pre') or 'default'
     if kind != 'gpt2':
       raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE 'gpt2'")
@@ -170,3 +173,52 @@ def _token_id(tok: tokenizers.Tokenizer, token) -> Optional[int]:
   if isinstance(token, dict):
     token = token.get('content')
   return None if token is None else tok.token_to_id(token)
+
+
+# ---- GGUF metadata -----------------------------------------------------------------------------
+# The key-value section at the head of a GGUF file (the spec: github.com/ggml-org/ggml, docs/
+# gguf.md), read directly: the gguf package's reader builds a numpy view per string, ~3 s for a
+# 49,152-token vocabulary, which every process that tokenizes would pay.
+_SCALARS = {0: '<B', 1: '<b', 2: '<H', 3: '<h', 4: '<I', 5: '<i', 6: '<f', 7: '<?', 10: '<Q',
+            11: '<q', 12: '<d'}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_metadata(path: str) -> Dict[str, object]:
+  """Every metadata key of a GGUF file (v2 or v3) -> its value: a number, a str, or a list
+  (numeric arrays as lists of Python numbers, string arrays as lists of str)."""
+  with open(path, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    if buf[:4] != b'GGUF':
+      raise ValueError(f'{path}: not a GGUF file (magic {bytes(buf[:4])!r})')
+    version, _, count = struct.unpack_from('<IQQ', buf, 4)
+    if version not in (2, 3):
+      raise ValueError(f'{path}: GGUF version {version}; supported: 2, 3')
+    pos, out = 24, {}
+
+    def string(at):
+      (n,) = struct.unpack_from('<Q', buf, at)
+      return buf[at + 8:at + 8 + n].decode('utf-8'), at + 8 + n
+
+    def value(kind, at):
+      if kind == _STRING:
+        return string(at)
+      if kind == _ARRAY:
+        item, n = struct.unpack_from('<IQ', buf, at)
+        at += 12
+        if item in _SCALARS:
+          dtype = np.dtype(_SCALARS[item])
+          return np.frombuffer(buf, dtype, n, at).tolist(), at + n * dtype.itemsize
+        items = []
+        for _ in range(n):
+          v, at = value(item, at)
+          items.append(v)
+        return items, at
+      if kind not in _SCALARS:
+        raise ValueError(f'{path}: unknown GGUF value type {kind}')
+      return struct.unpack_from(_SCALARS[kind], buf, at)[0], at + struct.calcsize(_SCALARS[kind])
+
+    for _ in range(count):
+      key, pos = string(pos)
+      (kind,) = struct.unpack_from('<I', buf, pos)
+      out[key], pos = value(kind, pos + 4)
+    return out
