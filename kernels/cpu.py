@@ -130,18 +130,24 @@ def build(cxx=None, stem='paged_attention_cpu', sources=SOURCES):
   return path
 
 
-@functools.lru_cache(maxsize=None)
-def _load():
-  """(ctypes library, None) once built, loaded and registered with XLA; (None, reason) when any
-  step fails. Cached for the process: a failed build is not retried on every call."""
+def load_library(stem: str, sources, target: str, symbol: str):
+  """(ctypes library, None) once `stem`'s library is built from `sources`, loaded, and its FFI
+  handler `symbol` registered with XLA as `target`; (None, reason) when any step fails. The
+  attention kernel here and the linear kernel (linear_cpu.py) load this way."""
   try:
-    path = build()
+    path = build(stem=stem, sources=sources)
     lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedAttentionCpu),
-                                platform='cpu')
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform='cpu')
   except (RuntimeError, OSError, AttributeError) as e:
     return None, str(e)
   return lib, None
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+  """load_library for the attention kernel, cached for the process: a failed build is not
+  retried on every call."""
+  return load_library('paged_attention_cpu', SOURCES, TARGET, 'PagedAttentionCpu')
 
 
 def available():

@@ -21,7 +21,6 @@ a compiler `available()` is False and `linear_impl='auto'` stays on XLA's dots.
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
 XLA's dots otherwise), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
 """
-import ctypes
 import functools
 
 import jax
@@ -43,13 +42,7 @@ MIN_ROWS, MAX_ROWS = 2, 64
 @functools.lru_cache(maxsize=None)
 def _load():
   """(ctypes library, None) once built, loaded and registered; (None, reason) otherwise."""
-  try:
-    path = cpu.build(stem='linear_cpu', sources=SOURCES)
-    lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.LinearCpu), platform='cpu')
-  except (RuntimeError, OSError, AttributeError) as e:
-    return None, str(e)
-  return lib, None
+  return cpu.load_library('linear_cpu', SOURCES, TARGET, 'LinearCpu')
 
 
 def available():
