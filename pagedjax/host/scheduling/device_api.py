@@ -49,6 +49,9 @@ class CallResult(NamedTuple):
   logits: Optional[Seq[np.ndarray]] = None  # [V] per row, when the step records logits
   candidates: Optional[Tuple[np.ndarray, np.ndarray]] = None  # ([R, K] ids, [R, K] log-probs)
   counts: Dict[str, float] = {}  # what the device counted building the call (metrics.py)
+  # Seconds of the call the device spent on the host (building its inputs): the executor charges
+  # them to the host's time, not the device's.
+  host_s: float = 0.0
 
 
 @dataclasses.dataclass
