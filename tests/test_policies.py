@@ -7,7 +7,7 @@ import os
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from pagedjax.config import Config, ConfigError, PrefixCacheConfig, SchedulerConfig, TiersConfig
 from pagedjax.engine import Engine
@@ -186,6 +186,8 @@ OPS = st.lists(st.tuples(st.sampled_from(['admit', 'push', 'hit', 'discard', 'po
 @pytest.mark.parametrize('name', ONLINE)
 @settings(max_examples=25, deadline=None)
 @given(ops=OPS)
+# a session tick ahead of the queue's clock (hit_density once skipped such a block: negative age)
+@example(ops=[('admit', 1, False), ('push', 1, True), ('pop', 0, False)])
 def test_every_online_policy_keeps_the_protocol(name, ops):
   """Against a model of the evictable set: pop takes an evictable key that was not passed over
   (None only when there is none), a passed-over key waits for requeue, and len/keys/ranked

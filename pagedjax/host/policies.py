@@ -648,6 +648,7 @@ class HitDensity(EvictionQueue):
       r = last_r if depth is not None and here < depth else self._now + 1
       self._group = (here, r)
     self.tick()
+    r = min(r, self._now)  # a session tick from another clock cannot make an age negative
     c = self._class(key, session)
     entry = (r, -self.depth.get(key, 0), next(self._seq), key, c)
     self._entry[key] = entry
