@@ -262,8 +262,17 @@ def routing_cost(config, row, requests, shared_store: bool = False) -> dict:
   """Per-request decision time over routing_replicas replicas whose index holds each tenant's
   prefix blocks (as KV events would have announced them) on routing_copies replicas; for a
   block-hash trace, each routed prompt's blocks on routing_copies replicas. With a shared
-  store, those blocks are also in it (the index's shared medium: every replica is matched)."""
+  store, those blocks are also in it (the index's shared medium: every replica is matched).
+  Every replica has the study's tier cost model (with the store's figures as its tier 3).
+  Timed per request: the prompt's chain keys (computed once per request and kept on it, as
+  the cluster's intake would; `routing_keys_*`), then the router's route and routed
+  (`routing_decide_*`); `routing_p*_ms` is their sum, wall clock (under a loaded machine its
+  tail is mostly the time other processes held the core), and `routing_cpu_*` the same span
+  in this thread's CPU time (time.thread_time: the code's own cost, whatever the load)."""
   c, bs = config.cluster, config.pool.block_size
+  cost = make_engines(config, 1)[1][0]
+  if shared_store:
+    cost = store_costs(config, cost)
   label, name, kwargs = row
   router = routers_lib.make_router(name, **dict(kwargs))
   index = KVIndex(shared_media=(kv_events.MEDIUM_DISK,) if shared_store else ())
@@ -288,18 +297,29 @@ def routing_cost(config, row, requests, shared_store: bool = False) -> dict:
                                      num_running=int(rng.integers(0, 32)),
                                      queued_prefill_tokens=int(rng.integers(0, 20000)),
                                      running_tokens=int(rng.integers(0, 200000)),
-                                     kv_usage=float(rng.random()))
+                                     kv_usage=float(rng.random()), cost=cost)
             for i in range(c.routing_replicas)]
-  times = []
+  keys_s, decide_s, cpu_s = [], [], []
   for r in requests[:c.routing_requests]:
     route = routers_lib.RouteRequest(r.request_id, r.prompt_ids, r.salt, r.max_new_tokens)
-    t0 = time.perf_counter()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    route.keys(bs)  # the prompt's chain keys, once per request (kept on it)
+    t1 = time.perf_counter()
     pick = router.route(route, states)
     router.routed(route, pick)
-    times.append(time.perf_counter() - t0)
-  ms = np.asarray(times) * 1e3
-  return {'routing_p50_ms': float(np.percentile(ms, 50)),
-          'routing_p99_ms': float(np.percentile(ms, 99)), 'routing_max_ms': float(ms.max()),
+    t2, cpu2 = time.perf_counter(), time.thread_time()
+    keys_s.append(t1 - t0)
+    decide_s.append(t2 - t1)
+    cpu_s.append(cpu2 - cpu0)
+  q = lambda seconds, p: float(np.percentile(np.asarray(seconds) * 1e3, p))
+  total = np.asarray(keys_s) + np.asarray(decide_s)
+  blocks = [len(r.prompt_ids) // bs for r in requests[:c.routing_requests]]
+  return {'routing_p50_ms': q(total, 50), 'routing_p99_ms': q(total, 99),
+          'routing_max_ms': float(total.max()) * 1e3,
+          'routing_keys_p50_ms': q(keys_s, 50), 'routing_keys_p99_ms': q(keys_s, 99),
+          'routing_decide_p50_ms': q(decide_s, 50), 'routing_decide_p99_ms': q(decide_s, 99),
+          'routing_cpu_p50_ms': q(cpu_s, 50), 'routing_cpu_p99_ms': q(cpu_s, 99),
+          'routing_blocks_mean': float(np.mean(blocks)), 'routing_blocks_max': int(max(blocks)),
           'routing_replicas': c.routing_replicas}
 
 

@@ -80,7 +80,8 @@ def test_radix_evicts_leaves_first():
 def test_hash_collisions_miss_instead_of_sharing(monkeypatch):
   """Every key collides (a forced hash): a hit must still require the same tokens, parent and
   salt, so another prefix's blocks are never returned."""
-  monkeypatch.setattr(prefix_cache, 'block_key', lambda parent, tokens, salt=None: 7)
+  monkeypatch.setattr(prefix_cache, 'chain_keys', lambda ids, bs, n, salt=None, parent=None,
+                      start=0: [7] * (n - start))
   cache = PrefixCache(2, 'lru')
   alloc = BlockAllocator(6, cache=cache)
   seq = _Seq([1, 2, 3, 4], alloc.allocate(2))

@@ -100,28 +100,47 @@ class KVIndex:
   def match(self, keys: Seq[int], replicas: Optional[Iterable[int]] = None
             ) -> Dict[int, List[int]]:
     """replica -> the tiers (1 device, 2 host RAM, 3 disk: the best one each) of the blocks of
-    the longest prefix of `keys` it holds; replicas holding none are left out. With a shared
-    store, each of `replicas` also holds what the store does (without `replicas`, only the
-    replicas' own tiers count)."""
+    the longest prefix of `keys` it holds; replicas holding none are left out, and so are
+    replicas not among `replicas` when it is given. With a shared store, each of `replicas`
+    also holds what the store does (without `replicas`, only the replicas' own tiers count).
+
+    One pass over the keys that stops at the first block nobody holds: a replica is followed
+    from the first block it holds on its own tiers (when every block before it is the store's),
+    and the replicas that hold nothing of their own get the store's prefix, copied once. The
+    work is the blocks matched times the replicas holding them, not times every replica."""
+    wanted = None if replicas is None else set(replicas)
+    shared_on = wanted is not None and bool(self.shared_media)
     out: Dict[int, List[int]] = {}
-    alive: Optional[Dict[int, List[int]]] = None
-    everyone = list(replicas) if replicas is not None and self.shared_media else None
-    for key in keys:
+    followed: Dict[int, List[int]] = {}  # replicas holding blocks of the prefix on their own
+    store: List[int] = []  # the store's tiers for the prefix, while it holds every block
+    store_alive = shared_on
+    for i, key in enumerate(keys):
       holders = self._holders.get(key)
       if not holders:
         break
-      shared = holders.get(SHARED, 0) if everyone is not None else 0
-      if alive is None:
-        alive = {r: [] for r in (everyone if shared else holders) if r != SHARED}
-      for r in list(alive):
+      shared = holders.get(SHARED, 0) if shared_on else 0
+      for r in list(followed):
         mask = holders.get(r, 0) | shared
-        if not mask:
-          out[r] = alive.pop(r)
+        if mask:
+          followed[r].append(_BEST[mask])
         else:
-          alive[r].append(_BEST[mask])
-      if not alive:
+          out[r] = followed.pop(r)
+      if i == len(store):  # blocks 0..i-1 are the store's (or i = 0): a replica may join here
+        for r, mask in holders.items():
+          if r != SHARED and r not in followed and (wanted is None or r in wanted):
+            followed[r] = store + [_BEST[mask | shared]]
+      if store_alive:
+        if shared:
+          store.append(_BEST[shared])
+        else:
+          store_alive = False
+      if not followed and not store_alive:
         break
-    out.update(alive or {})
+    out.update(followed)
+    if store:
+      for r in wanted:
+        if r not in out:
+          out[r] = list(store)
     return out
 
   def num_blocks(self, replica: int, medium: str = kv_events.MEDIUM_GPU) -> int:

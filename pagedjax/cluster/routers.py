@@ -69,7 +69,9 @@ def make_router(name: str, **kwargs):
 
 @dataclasses.dataclass
 class RouteRequest:
-  """What a router sees of a request. Chain keys are computed once per block size (`keys`)."""
+  """What a router sees of a request. Its chain keys (prefix_cache.chain_keys, the engines'
+  prefix-cache keys) are computed once per block size (`keys`) and kept: the router, the
+  cluster's look-ups of the chosen replica and a retry of the request all read the same list."""
   request_id: int
   prompt_ids: Seq[int]
   salt: Optional[str] = None
@@ -80,6 +82,19 @@ class RouteRequest:
     if block_size not in self._keys:
       self._keys[block_size] = prompt_keys(self.prompt_ids, block_size, self.salt)
     return self._keys[block_size]
+
+  def hand_keys(self, engine, request_id: int) -> bool:
+    """Gives the engine's sequence for this request (submitted as `request_id`) the chain keys
+    computed here, so its prefix cache does not hash the prompt again: only keys of the
+    engine's block size and the request's salt, and only to a sequence of these very token
+    ids that has none yet. True when handed."""
+    keys = self._keys.get(engine.block_size)
+    seq = engine.completions.live.get(request_id)
+    if (keys is None or seq is None or seq.block_keys or seq.params.cache_salt != self.salt or
+        seq.prompt_ids != list(self.prompt_ids)):
+      return False
+    seq.block_keys = list(keys)
+    return True
 
 
 @dataclasses.dataclass
@@ -186,16 +201,9 @@ class ApproxPrefixRouter(Router):
     self._capacity: Dict[int, int] = {}
 
   def _keys(self, request: RouteRequest) -> List[int]:
-    """Chained keys of the prompt's full router blocks (Python's hash: this process only;
-    kept on the request for `routed`)."""
-    memo = ('approx', self.block_size)
-    if memo not in request._keys:  # pylint: disable=protected-access
-      ids, bs, keys, parent = request.prompt_ids, self.block_size, [], hash(request.salt)
-      for i in range(len(ids) // bs):
-        parent = hash((parent, tuple(ids[i * bs:(i + 1) * bs])))
-        keys.append(parent)
-      request._keys[memo] = keys  # pylint: disable=protected-access
-    return request._keys[memo]  # pylint: disable=protected-access
+    """Chain keys of the prompt's full router blocks: the engines' own (prefix_cache
+    chain_keys), so with the engines' block size they are the keys the request already has."""
+    return request.keys(self.block_size)
 
   def route(self, request, replicas):
     loads = [self._load(r) for r in replicas]
@@ -260,7 +268,7 @@ class PreciseRouter(Router):
 
     def score(r: ReplicaState) -> float:
       tiers = held.get(r.index, ())
-      prefix = sum(w[t] for t in tiers) / len(keys) if keys else 0.0
+      prefix = sum(w[t] * tiers.count(t) for t in w) / len(keys) if tiers else 0.0
       return (self.w_prefix * prefix + self.w_kv * (1 - r.kv_usage) +
               self.w_queue * (1 - r.num_requests / most))
     return max(replicas, key=lambda r: (score(r), -r.index)).index
@@ -280,8 +288,16 @@ class TierCostRouter(Router):
                       tiers: Seq[int]) -> float:
     """Queued prefill, then this prompt: its held blocks loaded or recomputed (the promotion
     rule's cheapest split: device blocks cost nothing), the rest prefilled."""
+    return (replica.queued_prefill_tokens * self._per_token(replica) +
+            self._prompt_s(request, replica, tiers))
+
+  def _per_token(self, replica: ReplicaState) -> float:
     cost = replica.cost
-    per_token = cost.prefill_s_per_token if cost is not None else self.prefill_s_per_token
+    return cost.prefill_s_per_token if cost is not None else self.prefill_s_per_token
+
+  def _prompt_s(self, request: RouteRequest, replica: ReplicaState, tiers: Seq[int]) -> float:
+    """This prompt's own part of expected_ttft_s."""
+    cost, per_token = replica.cost, self._per_token(replica)
     bs = self.block_size or replica.block_size
     held_tokens = len(tiers) * bs
     own = (len(request.prompt_ids) - held_tokens) * per_token
@@ -291,10 +307,18 @@ class TierCostRouter(Router):
       own += cost.load_s(below[:j]) + cost.recompute_s(len(below) - j)
     elif below:
       own += len(below) * bs * per_token  # no transfer figures: recompute
-    return replica.queued_prefill_tokens * per_token + own
+    return own
 
   def route(self, request, replicas):
     keys = request.keys(self.block_size or replicas[0].block_size)
     held = self.index.match(keys, [r.index for r in replicas]) if keys else {}
-    return min(replicas, key=lambda r: (self.expected_ttft_s(request, r, held.get(r.index, ())),
-                                        r.load_tokens, r.index)).index
+    prompt_s: Dict[tuple, float] = {}  # replicas of one cost model holding the same tiers
+    # (every replica on the shared store's prefix, say) cost the prompt the same: once each
+
+    def ttft(r: ReplicaState) -> float:
+      tiers = held.get(r.index, ())
+      case = (id(r.cost), r.block_size, tuple(tiers))
+      if case not in prompt_s:
+        prompt_s[case] = self._prompt_s(request, r, tiers)
+      return r.queued_prefill_tokens * self._per_token(r) + prompt_s[case]
+    return min(replicas, key=lambda r: (ttft(r), r.load_tokens, r.index)).index

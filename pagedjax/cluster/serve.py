@@ -88,6 +88,10 @@ class RoutedPrompt:
   request_id: str
   stream: bool = False
   model: str = ''
+  # what the router saw (route_request): its chain keys are computed once, when the router
+  # first sees the request, and kept for on_request_routed and for a retry after a replica died
+  route: Optional[routers_lib.RouteRequest] = dataclasses.field(default=None, repr=False,
+                                                                compare=False)
 
   @property
   def salt(self) -> Optional[str]:
@@ -329,6 +333,8 @@ class EngineReplica:
     def submit():
       with self.engine.lock:
         rid = self.engine.submit(request.prompt_ids, request.params)
+        if request.route is not None:  # the chain keys the router computed: not hashed again
+          request.route.hand_keys(self.engine, rid)
         self.waiters[rid] = waiter
     try:
       await asyncio.get_running_loop().run_in_executor(None, submit)
@@ -367,13 +373,19 @@ class EngineReplica:
 # ---- the router -------------------------------------------------------------------------------
 
 def route_request(pending: Optional[PendingRequest]) -> routers_lib.RouteRequest:
-  """What a pagedjax router sees of a Serve request (its first argument, a RoutedPrompt)."""
+  """What a pagedjax router sees of a Serve request (its first argument, a RoutedPrompt),
+  made once per request and kept on it (RoutedPrompt.route, with its chain keys)."""
   arg = pending.args[0] if pending is not None and pending.args else None
+  if isinstance(arg, RoutedPrompt) and arg.route is not None:
+    return arg.route
   ids = getattr(arg, 'prompt_ids', None)
   if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
     ids = []  # the engine will refuse it; any replica can say so
   max_new = arg.params.get('max_new_tokens', 0) if isinstance(arg, RoutedPrompt) else 0
-  return routers_lib.RouteRequest(0, ids, getattr(arg, 'salt', None), max_new)
+  route = routers_lib.RouteRequest(0, ids, getattr(arg, 'salt', None), max_new)
+  if isinstance(arg, RoutedPrompt):
+    arg.route = route
+  return route
 
 
 class PagedjaxRequestRouter(RequestRouter):

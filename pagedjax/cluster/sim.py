@@ -188,6 +188,7 @@ class Replica:
     local = self.engine.submit(request.prompt_ids, SamplingParams(
         max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
                                arrival_time=request.arrival_time)
+    route.hand_keys(self.engine, local)  # the keys routing computed: not hashed again
     self.requests[local] = (request, cached, route_s, shared)
     self.routed += 1
     self.state.num_waiting += 1

@@ -87,11 +87,21 @@ def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
 
 def chain_keys(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=None,
                parent: Optional[int] = None, start: int = 0) -> List[int]:
-  """Keys of full blocks start..num_full_blocks-1 of token_ids, continuing from `parent`."""
+  """Keys of full blocks start..num_full_blocks-1 of token_ids, continuing from `parent`:
+  block_key of each block in turn, computed in one pass (the blocks' token ids encoded as
+  int64 at once, and each key's 8 digest bytes reused as its child's parent encoding), about
+  twice as fast as calling block_key per block; tests/test_prefix_cache.py checks they agree."""
+  if num_full_blocks <= start:
+    return []
+  raw = memoryview(array.array('q', token_ids[start * block_size:num_full_blocks * block_size])
+                   .tobytes())
+  step, blake2b, from_bytes = block_size * 8, hashlib.blake2b, int.from_bytes
+  head = content_bytes(parent, (), salt)  # the first block's parent (or salt) encoding
   keys = []
-  for i in range(start, num_full_blocks):
-    parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
-    keys.append(parent)
+  for i in range(0, (num_full_blocks - start) * step, step):
+    digest = blake2b(head + raw[i:i + step], digest_size=8).digest()
+    keys.append(from_bytes(digest, 'little'))
+    head = b'P' + digest  # content_bytes' parent encoding: the key's 8 little-endian bytes
   return keys
 
 

@@ -78,8 +78,14 @@ class TierCosts:
       return len(tiers)
     if rule == 'recompute' or not tiers:
       return 0
-    costs = [self.load_s(tiers[:j]) + self.recompute_s(len(tiers) - j)
-             for j in range(len(tiers) + 1)]
+    # cost(j) for every j in one pass: load_s(tiers[:j]) as a running sum, the same floats
+    costs, seen, latency, transfer = [self.recompute_s(len(tiers))], set(), 0.0, 0.0
+    for j, t in enumerate(tiers, 1):
+      if t not in seen:
+        seen.add(t)
+        latency = sum(self.latency_s[u] for u in set(seen))
+      transfer += self.block_bytes / self.bytes_per_s[t]
+      costs.append(latency + transfer + self.recompute_s(len(tiers) - j))
     best = min(costs)
     return max(j for j, c in enumerate(costs) if c <= best)
 
