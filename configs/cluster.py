@@ -84,7 +84,7 @@ def get_config(arg=None):
       # the routing-cost measurement: every router deciding over this many replicas whose KV
       # index holds each tenant's prefix on `routing_copies` of them, `routing_requests` times
       routing_replicas=16, routing_copies=2, routing_requests=300,
-      route_goal_ms=1.0,
+      route_goal_ms=1.0, routing_only=False,  # True: that measurement alone, no simulation
       # rows (by label) replayed again with one shared store of shared_store_blocks blocks under
       # every replica (sim.py); its loads cost store_bytes_per_s and store_latency_s per batch
       store_routers=(), shared_store_blocks=0, store_bytes_per_s=0.0, store_latency_s=0.0,

@@ -119,13 +119,16 @@ class KVIndex:
       if not holders:
         break
       shared = holders.get(SHARED, 0) if shared_on else 0
+      holding = 0  # followed replicas holding this block on their own tiers
       for r in list(followed):
-        mask = holders.get(r, 0) | shared
-        if mask:
-          followed[r].append(_BEST[mask])
+        own = holders.get(r, 0)
+        holding += own != 0
+        if own | shared:
+          followed[r].append(_BEST[own | shared])
         else:
           out[r] = followed.pop(r)
-      if i == len(store):  # blocks 0..i-1 are the store's (or i = 0): a replica may join here
+      # blocks 0..i-1 are the store's (or i = 0): a holder not followed yet joins here
+      if i == len(store) and len(holders) - (SHARED in holders) > holding:
         for r, mask in holders.items():
           if r != SHARED and r not in followed and (wanted is None or r in wanted):
             followed[r] = store + [_BEST[mask | shared]]

@@ -78,14 +78,17 @@ class TierCosts:
       return len(tiers)
     if rule == 'recompute' or not tiers:
       return 0
-    # cost(j) for every j in one pass: load_s(tiers[:j]) as a running sum, the same floats
-    costs, seen, latency, transfer = [self.recompute_s(len(tiers))], set(), 0.0, 0.0
+    # cost(j) for every j in one pass: load_s(tiers[:j]) as a running sum, recompute_s
+    # inlined (the same floats as the definition above)
+    k, bs, per_token = len(tiers), self.block_size, self.prefill_s_per_token
+    block_s = {t: self.block_bytes / self.bytes_per_s[t] for t in set(tiers)}
+    costs, seen, latency, transfer = [self.recompute_s(k)], set(), 0.0, 0.0
     for j, t in enumerate(tiers, 1):
       if t not in seen:
         seen.add(t)
         latency = sum(self.latency_s[u] for u in set(seen))
-      transfer += self.block_bytes / self.bytes_per_s[t]
-      costs.append(latency + transfer + self.recompute_s(len(tiers) - j))
+      transfer += block_s[t]
+      costs.append(latency + transfer + (k - j) * bs * per_token)
     best = min(costs)
     return max(j for j, c in enumerate(costs) if c <= best)
 
