@@ -19,14 +19,20 @@ config.lab:
                 arrangements: name -> [host, disk] capacity as multiples of the device's (0: no
                 such tier); capacities: device capacities in tokens ([]: no tier study); rows:
                 the device cache's policies (online); eviction: the lower tiers' policy
-`:tiny` is a seconds-long smoke run of the same pipeline on the first 300 requests.
+  bound         what a release's classes are worth (studies/retention_model.py): capacities
+                (some of lab.capacities; []: none) and classings (retention_model.CLASSINGS);
+                per pair, the fluid optimum and the real cache with its holds, in hindsight
+`:tiny` is a seconds-long smoke run of the same pipeline on the first 300 requests; `:bound`
+runs the bound study alone (LRU and Belady for reference) at 1e6, 3e6 and 1e7 tokens.
 """
 import ml_collections
 
+from pagedjax.studies.retention_model import CLASSINGS
+
 TRACE = '/work/shared/traces/mooncake_conversation.jsonl'
 ROWS = ['lru', 'lfu', 'session_lru', 'session_lfu', 'leaves_first', 'gdsf', 's3fifo',
-        'session_recency', 'hit_density', 'arc', 'lrfu', 'return_predictor', 'reuse_oracle',
-        'belady']  # also in ROWS, not run by default: 'reuse_distance' (docs/policy_lab.md)
+        'session_recency', 'hit_density', 'arc', 'lrfu', 'return_predictor', 'retention',
+        'reuse_oracle', 'belady']  # also in ROWS, not run by default: 'reuse_distance' (docs/policy_lab.md)
 
 
 def get_config(arg=None):
@@ -44,12 +50,21 @@ def get_config(arg=None):
             'return_predictor': [1.0, 2.0, 4.0]},
       tiers=ml_collections.ConfigDict(dict(
           arrangements={'device': [0, 0], 'device_host': [4, 0], 'device_host_disk': [4, 32]},
-          capacities=[3e5, 1e6, 3e6], rows=['lru'], eviction='lru'))))
+          capacities=[3e5, 1e6, 3e6], rows=['lru'], eviction='lru')),
+      bound=ml_collections.ConfigDict(dict(capacities=[3e6], classings=list(CLASSINGS)))))
   if arg == 'tiny':
     config.variant = 'tiny'
     config.lab.update(dict(limit=300, capacities=[1e5, 3e5, 1e6], gap_capacity=3e5,
                            tune={'session_recency': [0.0, 1.0], 's3fifo': [0.1]}))
     config.lab.tiers.capacities = [1e5, 3e5]
+    config.lab.bound.capacities = [3e5]
+  elif arg == 'bound':
+    config.variant = 'bound'
+    config.lab.update(dict(capacities=[1e6, 3e6, 1e7], rows=['lru', 'belady']))
+    config.lab.tune = {}
+    config.lab.tiers.capacities = []
+    config.lab.bound.capacities = [1e6, 3e6, 1e7]
   elif arg is not None:
-    raise ValueError(f'configs/policy_lab.py:{arg}: unknown variant; use :tiny or nothing')
+    raise ValueError(f'configs/policy_lab.py:{arg}: unknown variant; use :tiny, :bound or '
+                     'nothing')
   return config

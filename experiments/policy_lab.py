@@ -34,7 +34,9 @@ gain over LRU on the second half, against the first half's, says whether the tun
 over to requests it never saw. The full-trace rows use the first half's choice. The rows in
 FITTED (host/predictive_policies.py) fit their return model on the first half as well (a
 Recorder's replay through an infinite cache; studies/return_model.py), and are checked the same
-way.
+way; so are the rows in HOLD_FITTED (policies.Retention), whose hold time per conversation class is
+fitted on the first half at each capacity replayed (studies/retention_model.py; the curves record
+it as hold_ticks).
 
 Tier arrangements (config.lab.tiers; TierReplay below): the replay with host-RAM and disk tiers
 under the device cache, through the real tier code, hit rate by the tier that served each block.
@@ -49,6 +51,8 @@ Writes to WORKDIR:
   reuse.png       the trace's LRU stack distances (first / later turns) and hits by block depth
                   at gap_capacity (LRU, the best online row, the oracles)
   tiers.csv, tiers.png  hit rate by tier per arrangement (lab.tiers), sizes in tokens
+  bound.csv, bound.png  per classing of releases (lab.bound): the fluid model's optimum and the
+                  real cache's hit rate with its holds, both in hindsight (bound_study)
   summary.json    the curves, the ceiling (replayed, and counted from the hash ids), the goals
                   and whether each was met, the tuning, host time per request, config, versions
 Host time is this process's wall time around the replay of each point (summary.json also has it
@@ -71,6 +75,7 @@ from pagedjax.studies import workloads
 from pagedjax.host import policies
 from pagedjax.host import predictive_policies
 from pagedjax.studies import return_model
+from pagedjax.studies import retention_model
 from pagedjax.host.scheduling.allocator import BlockAllocator
 from pagedjax.host.tiers import disk_store as disk_store_lib
 from pagedjax.host.tiers.disk_store import DiskStore
@@ -101,6 +106,7 @@ ROWS = {
     'lrfu': ('lrfu', False),
     'return_predictor': ('pagedjax.host.predictive_policies:ReturnPredictor', True),
     'reuse_distance': ('pagedjax.host.predictive_policies:LearnedReuseDistance', True),
+    'retention': ('retention', True),
     'reuse_oracle': ('reuse_oracle', False),
     'belady': ('belady', False),
 }
@@ -121,6 +127,11 @@ TUNABLE = {
 # requests (studies/return_model.py), from a Recorder's replay of it with an infinite cache.
 FITTED = ('return_predictor', 'reuse_distance')
 FIT = 'return_model'  # the key of the fitted weights in a replay's params
+# Rows whose hold times per conversation class (policies.Retention) are fitted on the first half
+# at each capacity (studies/retention_model.py: a fluid model of the cache, from the first half's
+# return times); HOLD is the key of the first half's releases in a replay's params.
+HOLD_FITTED = ('retention',)
+HOLD = 'retention_releases'
 CURVE_COLUMNS = ('row', 'capacity_tokens', 'hit_rate', 'regret', 'gap_closed', 'hit_tokens',
                  'prompt_tokens', 'evictions', 'host_s', 'host_us_per_request')
 
@@ -298,6 +309,8 @@ def make_queue(row: str, capacity_blocks: int, records, params: dict
   if row in FITTED and FIT in params:  # else the class's prior (predictive_policies.py)
     queue.weights = tuple(params[FIT]['weights'])
     queue.delay_weights = tuple(params[FIT]['delay_weights'])
+  if row in HOLD_FITTED and HOLD in params:  # else the class's default (LRU)
+    queue.hold = retention_model.fit_hold(params[HOLD], capacity_blocks)
   if row in params:
     attribute, value = TUNABLE[row], params[row]
     if attribute.endswith('_capacities'):
@@ -333,7 +346,92 @@ def replay(row: str, records, capacity_tokens: float, params: dict, design: str)
           'prompt_tokens': prompt, 'hit_rate': hit / prompt if prompt else 0.0,
           'evictions': run.cache.evictions, 'host_s': host_s,
           'host_us_per_request': 1e6 * host_s / max(len(records), 1),
-          'hits_by_depth': list(run.hits_by_depth)}
+          'hits_by_depth': list(run.hits_by_depth),
+          **({'hold_ticks': list(queue.hold)} if row in HOLD_FITTED else {})}
+
+
+# ---- what the classes can tell: the fluid model, and hindsight holds through the cache -------
+# studies/retention_model.py: per classing of the releases (what a policy deciding by a release's
+# class and age could know), the fluid optimum on the whole trace, and the hit rate of the real
+# cache when Retention is given that optimum's holds and told each request's class. Both use the
+# trace they are scored on (hindsight): what the information is worth at best, not a policy.
+BOUND_COLUMNS = ('classing', 'capacity_tokens', 'classes', 'fluid_hit_rate', 'cache_hit_rate',
+                 'cache_gap_closed', 'host_s')
+
+
+class HindsightRetention(policies.Retention):
+  """Retention with a hold per class label, told the label of the request being served
+  (labels: request position -> label; a request without a release holds 0)."""
+
+  def __init__(self, table: dict, labels: dict, clock):
+    super().__init__()
+    self.table, self.labels, self.clock = table, labels, clock
+
+  def priority(self, key, tick, session):
+    major = session[1] if session is not None else tick
+    return (major + self.table.get(self.labels.get(self.clock()), 0.0), tick)
+
+
+def bound_study(config, records, curves: list) -> list:
+  lab, rel = config.lab, retention_model.releases(records)
+  by = {(c['row'], c['capacity_tokens']): c['hit_rate'] for c in curves}
+  prompt = sum(r.input_length for r in records)
+  points = []
+  for cap in lab.bound.capacities:
+    blocks = max(2, int(cap // BLOCK))
+    for name in lab.bound.classings:
+      classes = retention_model.CLASSINGS[name](rel)
+      table = retention_model.fit_holds(rel, blocks, classes)
+      labels = dict(zip(rel['request'].astype(int).tolist(), classes.tolist()))
+      served = []  # the replay, once made: the queue's clock is its position
+      run = Replay(blocks, HindsightRetention(table, labels, lambda: served[0].position), True,
+                   lab.design)
+      served.append(run)
+      start = time.perf_counter()
+      run.serve(records)
+      hit = run.cache.hit_blocks * BLOCK / prompt
+      lru, best = by.get((REFERENCE, cap)), by.get((OPTIMUM, cap))
+      points.append({'classing': name, 'capacity_tokens': cap, 'classes': len(table),
+                     'fluid_hit_rate': retention_model.bound(rel, blocks, classes),
+                     'cache_hit_rate': hit,
+                     'cache_gap_closed': (hit - lru) / (best - lru)
+                                         if lru is not None and best - lru > 1e-12 else None,
+                     'host_s': time.perf_counter() - start})
+      cli.say(f"bound {name} at {cap:.0e}: fluid {points[-1]['fluid_hit_rate']:.4f}, "
+              f"cache {hit:.4f} ({len(table)} classes)")
+  return points
+
+
+def plot_bound(config, points: list, curves: list, workdir: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  caps = list(config.lab.bound.capacities)
+  names = list(config.lab.bound.classings)
+  by = {(c['row'], c['capacity_tokens']): c['hit_rate'] for c in curves}
+  fig, axes = plt.subplots(1, len(caps), figsize=(5.5 * len(caps), 4.8), squeeze=False)
+  for ax, cap in zip(axes[0], caps):
+    pts = {p['classing']: p for p in points if p['capacity_tokens'] == cap}
+    xs = np.arange(len(names))
+    ax.bar(xs - 0.2, [pts[n]['fluid_hit_rate'] for n in names], 0.4, label='fluid model')
+    ax.bar(xs + 0.2, [pts[n]['cache_hit_rate'] for n in names], 0.4,
+           label='real cache, hindsight holds')
+    lru, best = by.get((REFERENCE, cap)), by.get((OPTIMUM, cap))
+    if lru is not None and best is not None:
+      ax.axhline(lru, color='grey', label=f'LRU {lru:.3f}')
+      ax.axhline(best, color='black', label=f'Belady {best:.3f}')
+      ax.axhline((lru + best) / 2, color='red', linestyle='--',
+                 label=f'goal: half the gap {(lru + best) / 2:.3f}')
+    ax.set_xticks(xs)
+    ax.set_xticklabels([n.replace(' x ', ' x\n').replace(': ', ':\n') for n in names],
+                       fontsize=7)
+    ax.set_ylabel('hit rate')
+    ax.set_title(f'Classes of a release and what they are worth, {cap:.0e} tokens', fontsize=9)
+    ax.grid(True, axis='y', alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'bound.png'), dpi=120)
+  plt.close(fig)
 
 
 # ---- tier arrangements -----------------------------------------------------------------------
@@ -524,6 +622,12 @@ def check(config) -> None:
   if t.eviction not in policies.EVICTION or getattr(policies.EVICTION.get(t.eviction),
                                                     'offline', False):
     fail('tiers.eviction', t.eviction, f'an online registered policy: {policies.EVICTION.names()}')
+  bcaps = list(lab.bound.capacities)
+  if any(c not in caps for c in bcaps):
+    fail('bound.capacities', bcaps, f'some of lab.capacities={caps} ([]: no bound study)')
+  for name in lab.bound.classings:
+    if name not in retention_model.CLASSINGS:
+      fail('bound.classings', name, f'one of {tuple(retention_model.CLASSINGS)}')
   for row, values in lab.tune.items():
     if row not in TUNABLE or row not in rows:
       fail('tune', row, f'a tunable row of lab.rows: one of {tuple(TUNABLE)}')
@@ -558,7 +662,7 @@ def tune(config, records, base: dict) -> tuple:
                for name, part in (('first', first), ('second', second))}
   chosen, table, checks = {}, [], {}
   candidates = dict(lab.tune)
-  for row in FITTED:
+  for row in FITTED + HOLD_FITTED:
     if row in lab.rows and row not in candidates:
       candidates[row] = [None]  # nothing to tune: the fit alone
   for row, values in candidates.items():
@@ -724,9 +828,11 @@ def study(config, workdir: str) -> dict:
     base[FIT] = model
     cli.say(f"return model: AUC {model['auc']:.3f} on the first half (fitted), "
             f"{model['held_out']['auc']:.3f} on the second")
+  if any(row in HOLD_FITTED for row in lab.rows):
+    base[HOLD] = retention_model.releases(records[:half])
   phase('fit', t0, len(records) if model else 0)
   t0 = time.perf_counter()
-  tuned = lab.tune or any(row in FITTED for row in lab.rows)
+  tuned = lab.tune or any(row in FITTED + HOLD_FITTED for row in lab.rows)
   chosen, tuning, checks = tune(config, records, base) if tuned else ({}, [], {})
   phase('tune', t0, len(records) * (len(tuning) + 1))
   if tuning:
@@ -745,6 +851,12 @@ def study(config, workdir: str) -> dict:
   t0 = time.perf_counter()
   tiers = tier_study(config, records, params) if lab.tiers.capacities else []
   phase('tiers', t0, len(records) * len(tiers))
+  t0 = time.perf_counter()
+  bound = bound_study(config, records, curves) if lab.bound.capacities else []
+  phase('bound', t0, len(records) * len(bound))
+  if bound:
+    run_info.write_csv(os.path.join(workdir, 'bound.csv'), bound, BOUND_COLUMNS)
+    plot_bound(config, bound, curves, workdir)
   for row in lab.rows:
     line = ' '.join(f"{c['hit_rate']:.3f}" for c in curves if c['row'] == row)
     cli.say(f'  {row:16s} {line}')
@@ -753,7 +865,7 @@ def study(config, workdir: str) -> dict:
   replayed_points = curves + tiers
   summary = {
       'curves': curves, 'ceiling': ceiling, 'tuned': chosen, 'tuning': tuning,
-      'return_model': model, 'tiers': tiers, 'reuse_distances': distances,
+      'return_model': model, 'tiers': tiers, 'bound': bound, 'reuse_distances': distances,
       'depth_edges_blocks': list(DEPTH_EDGES),
       'tuning_checks': checks, 'goals': goals(config, curves, checks),
       'continuation_by_turn': continuation(records),

@@ -257,6 +257,28 @@ def test_s3fifo_evicts_one_hit_wonders_before_blocks_hit_while_queued():
   assert queue.pop() == 3 and queue.pop() in (1, 4)
 
 
+def test_retention_holds_later_turns_and_lets_first_turns_go_first():
+  """A second turn's blocks are held 100 ticks: a first turn's block released 50 ticks after
+  them goes first; one released 150 ticks after, after them (deepest of the release first)."""
+  queue = policies.Retention()
+  queue.hold = (0.0,) + (100.0,) * 5
+  for key, depth in (('root', 0), ('deep', 1), ('early', 1), ('late', 1)):
+    queue.add(key, depth=depth)
+  ended = queue.tick()  # the second turn ends: tail first
+  queue.push('deep', session=(2, ended))
+  queue.push('root', session=(2, ended))
+  for _ in range(50):
+    queue.tick()
+  queue.push('early', session=(1, queue.tick()))
+  for _ in range(100):
+    queue.tick()
+  queue.push('late', session=(1, queue.tick()))
+  assert queue.ranked(['late', 'root', 'deep', 'early']) == ['early', 'deep', 'root', 'late']
+  queue.hold = (0.0,) * 6  # the default: LRU
+  queue.push('early', session=(1, queue.tick()))
+  assert queue.ranked(['early', 'root', 'deep', 'late']) == ['deep', 'root', 'late', 'early']
+
+
 def test_gdsf_ages_and_weighs_depth():
   queue = policies.GDSF()
   queue.add('shallow', depth=0)

@@ -17,6 +17,7 @@ from experiments import policy_lab as lab
 from experiments import policy_lab_sim as lab_sim
 from pagedjax.host import policies
 from pagedjax.host import predictive_policies as pp
+from pagedjax.studies import retention_model
 from pagedjax.studies import return_model
 from pagedjax.studies.workloads import BlockTraceRecord
 
@@ -50,8 +51,9 @@ def traces(draw):
 def test_belady_is_never_below_an_online_policy(records, capacity_blocks, design):
   cap = capacity_blocks * 512
   best = lab.replay(lab.OPTIMUM, records, cap, {}, design)['hit_tokens']
+  fitted = {lab.HOLD: retention_model.releases(records)}  # retention's holds, fitted in sample
   for row in ONLINE_ROWS + ['reuse_oracle']:
-    assert lab.replay(row, records, cap, {}, design)['hit_tokens'] <= best, row
+    assert lab.replay(row, records, cap, fitted, design)['hit_tokens'] <= best, row
 
 
 @settings(max_examples=20, deadline=None)
@@ -68,18 +70,65 @@ def test_an_infinite_cache_hits_what_the_hash_ids_count(records):
       assert replayed['hit_tokens'] <= counted['hit_tokens']
 
 
+@settings(max_examples=20, deadline=None)
+@given(records=traces(), capacity_blocks=st.integers(2, 24))
+def test_the_fluid_model_gains_with_information_and_counts_the_ceiling(records, capacity_blocks):
+  """Finer classes never lower the fluid optimum (a refinement can hold as the coarse classes
+  did); with room for everything it serves every read an infinite cache does."""
+  rel = retention_model.releases(records)
+  found = retention_model.bounds(rel, capacity_blocks, ('none', 'turns', 'oracle: returns or not'))
+  assert found['none'] <= found['turns'] + 1e-12 <= found['oracle: returns or not'] + 2e-12
+  counted = lab.counted_ceiling(records)
+  if all(r.input_length % 512 for r in records):  # else the last-token rule withholds one
+    assert retention_model.bound(rel, 10 ** 6, retention_model.turns_classes(rel)) == (
+        pytest.approx(counted['hit_rate']))
+
+
+def test_retention_fit_holds_conversations_that_return_and_not_the_others():
+  """Three-turn conversations come back 40 ticks after each turn; one-turn ones never do. In a
+  small cache the fit holds second turns (which return) longer than first turns (most of which
+  do not); with room for everything, every class is held alike (LRU)."""
+  records, next_id, pending = [], 1, []
+  for i in range(300):
+    if i % 3 == 0:  # a conversation that will have three turns: its first
+      ids = [0] + list(range(next_id, next_id + 3))
+      next_id += 3
+      pending.append((i + 4, ids, 2))
+    else:  # one-turn conversations, or a due turn of a three-turn one
+      due = [p for p in pending if p[0] <= i]
+      if due:
+        pending.remove(due[0])
+        _, history, left = due[0]
+        ids = history + [next_id]
+        next_id += 1
+        if left > 1:
+          pending.append((i + 4, ids, left - 1))
+      else:
+        ids = [0] + list(range(next_id, next_id + 3))
+        next_id += 3
+    records.append(BlockTraceRecord(i, i, len(ids) * 512 + 100, 1, tuple(ids + [next_id])))
+    next_id += 1
+  rel = retention_model.releases(records)
+  hold = retention_model.fit_hold(rel, 4)
+  assert hold[1] > hold[0] and hold[2] == 0  # third turns never come back
+  big = retention_model.fit_hold(rel, 10 ** 6)
+  assert len(set(big[:2])) == 1  # held until every return: alike
+
+
 def test_tiny_study(tmp_path):
   config = lab_config.get_config('tiny')
   config.lab.limit = 200
   config.lab.capacities = [1e5, 1e6]
   config.lab.gap_capacity = 1e6
-  config.lab.rows = ['lru', 'arc', 'return_predictor', 'reuse_oracle', 'belady']
+  config.lab.rows = ['lru', 'arc', 'return_predictor', 'retention', 'reuse_oracle', 'belady']
   config.lab.tune = {'return_predictor': [1.0, 2.0]}
   config.lab.tiers.capacities = [1e5]
+  config.lab.bound.capacities = [1e6]
+  config.lab.bound.classings = ['none', 'oracle: returns or not']
   lab.check(config)
   summary = lab.study(config, str(tmp_path))
   for name in ('curves.csv', 'table.md', 'tuning.csv', 'hit_rate.png', 'regret.png',
-               'reuse.png', 'tiers.csv', 'tiers.png', 'summary.json'):
+               'reuse.png', 'tiers.csv', 'tiers.png', 'bound.csv', 'bound.png', 'summary.json'):
     assert os.path.getsize(tmp_path / name) > 0, name
   with open(tmp_path / 'summary.json', encoding='utf-8') as f:
     assert json.load(f)['variant'] == 'tiny'
@@ -90,10 +139,16 @@ def test_tiny_study(tmp_path):
   assert any(c['regret'] > 0 for c in curves if c['row'] == lab.REFERENCE)  # a gap to study
   assert all(0 <= c['hit_rate'] <= summary['ceiling']['replayed'] + 1e-12 for c in curves)
   assert all(sum(c['hits_by_depth']) * 512 == c['hit_tokens'] for c in curves)
-  assert set(summary['goals']) == {'arc', 'return_predictor'}
+  assert set(summary['goals']) == {'arc', 'return_predictor', 'retention'}
   assert summary['continuation_by_turn'][0]['turns'] > 0
   assert set(summary['tuned']) == {'return_predictor'}
-  assert set(summary['tuning_checks']) == {'return_predictor'}  # fitted on the first half
+  assert set(summary['tuning_checks']) == {'return_predictor', 'retention'}  # first half fits
+  assert all(len(c['hold_ticks']) == 6 for c in curves if c['row'] == 'retention')
+  # the bound: hindsight holds of the oracle classing beat those of no classing (LRU's)
+  bound = {b['classing']: b for b in summary['bound']}
+  assert bound['none']['cache_hit_rate'] == next(
+      c['hit_rate'] for c in curves if c['row'] == 'lru' and c['capacity_tokens'] == 1e6)
+  assert bound['oracle: returns or not']['fluid_hit_rate'] >= bound['none']['fluid_hit_rate']
   assert summary['return_model']['held_out']['releases'] > 0
   # the reuse distances count every read an infinite cache serves
   d = summary['reuse_distances']
@@ -110,7 +165,7 @@ def test_tiny_study(tmp_path):
       'device_host_disk']['hit_rate']
   assert tiers['device_host_disk']['disk_hit_rate'] > 0
   assert summary['host_us_per_request'] > 0 and set(summary['phase_s']) == {
-      'ceiling_and_reuse_distances', 'fit', 'tune', 'curves', 'tiers'}
+      'ceiling_and_reuse_distances', 'fit', 'tune', 'curves', 'tiers', 'bound'}
 
 
 @settings(max_examples=10, deadline=None)

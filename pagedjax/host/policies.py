@@ -319,6 +319,30 @@ class SessionRecency(HeapQueue):
     return (major + self.turn_bonus * min(turns - 1, self.turn_cap), tick)
 
 
+class Retention(HeapQueue):
+  """Hold times by conversation class: a block released by a turn of a conversation in class c
+  (its session's turns: 1, 2, 3, 4, 5-8, 9+) is held `hold[c]` ticks before it competes with a
+  block released now: priority = last-turn tick + hold[c], smallest first (deepest first within
+  a release: blocks are pushed tail first). hold[c] = 0 for every class is LRU; a class whose
+  hold is far below the others' is in effect not admitted (its blocks enter at the cold end and
+  go before any other). Without a session a block is a first turn's, aged from its release.
+
+  The hold times are what a fit says (studies/retention_model.py: per class, the hold that a
+  fluid model of the cache, fed the return times of a trace's first half, finds best at this
+  capacity); the class default is all zeros (LRU)."""
+
+  hold = (0.0,) * 6
+  CLASS_OF_TURNS = (0, 0, 1, 2, 3, 4, 4, 4, 4)  # index: turns 0..8; above: 5
+
+  @classmethod
+  def turns_class(cls, turns: int) -> int:
+    return cls.CLASS_OF_TURNS[turns] if turns < len(cls.CLASS_OF_TURNS) else 5
+
+  def priority(self, key, tick, session):
+    turns, major = session if session is not None else (1, tick)
+    return (major + self.hold[self.turns_class(turns)], tick)
+
+
 class S3FIFO(EvictionQueue):
   """S3-FIFO (Yang et al., SOSP 2023): a small FIFO (small_share of the idle entries) that new
   entries enter, a main FIFO, and a ghost FIFO of keys recently evicted from the small one. An
@@ -919,6 +943,7 @@ EVICTION.register('s3fifo', S3FIFO)
 EVICTION.register('hit_density', HitDensity)
 EVICTION.register('lrfu', LRFU)
 EVICTION.register('arc', ARC)
+EVICTION.register('retention', Retention)
 EVICTION.register('belady', Belady)
 EVICTION.register('reuse_oracle', ReuseOracle)
 
