@@ -374,10 +374,6 @@ class OffloadConfig:
             f'at most pool.num_blocks - 1 = {pool.num_blocks - 1} (the window lives in the pool)')
     if pool.kind != 'paged':
       _fail(field, value, "0 unless pool.kind='paged'")
-    if pool.kv_recent_window or pool.kv_key_per_channel:
-      pool_field = 'kv_recent_window' if pool.kv_recent_window else 'kv_key_per_channel'
-      _fail(field, value,
-            f'0 with pool.{pool_field} set (per-sequence lane state does not stream)')
     if tiers.enabled:
       _fail(field, value,
             '0 with lower KV tiers (tiers.host_blocks / disk_blocks): not combined yet')

@@ -335,7 +335,7 @@ class PlanExecutor:
       start, p = seq.num_cached, seq.params
       specs.append(StreamedRow(seq.all_ids[start:start + n], start, seq.host_table,
                                seq.block_table, p.temperature, p.top_k, p.top_p, p.seed,
-                               len(seq.output_ids)))
+                               len(seq.output_ids), seq.lane))
     self.pool, tokens, logits, streamed = self._timed(
         out, self.streamed.run, self.params, self.pool, self.offload.store, specs)
     out.counts['streamed_rows'] += len(rows)

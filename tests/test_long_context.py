@@ -19,6 +19,7 @@ import pytest
 
 from pagedjax.kernels import contract
 from pagedjax.config import ConfigError, OffloadConfig
+from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model import streamed_attention as sa
 from pagedjax.engine import Engine
 from pagedjax.host.requests.intake import RequestError
@@ -35,8 +36,9 @@ OFFLOAD = OffloadConfig(host_blocks=70, device_blocks=2, chunk_blocks=8)
 
 def _engine(num_blocks, offload=None, **flat):
   cfg, params, step = tiny('gqa')
+  flat = {'prefill_chunk': 16, 'decode_min_rows': 2, **flat}
   config, _ = engine_config(cfg, block_size=BLOCK, num_blocks=num_blocks, max_batch_size=4,
-                            prefill_chunk=16, decode_min_rows=2, **flat)
+                            **flat)
   if offload is not None:
     config = dataclasses.replace(config, offload=offload)
   return Engine(cfg, params, config, step_fn=step, record_logits=True)
@@ -177,6 +179,22 @@ def test_offload_store_keeps_every_dtype_bit_for_bit_on_both_tiers(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+def test_kivi_keys_and_a_recent_window_give_the_all_device_tokens():
+  # The pools with per-sequence lane state: int4 with KIVI keys (a partial block's keys in a
+  # bfloat16 tail per lane) and a recent window of 12 tokens (bfloat16 rings per lane, longer
+  # than the window's newest full block, so some ring tokens are in host blocks). 120 + 8 =
+  # 128 tokens, 4x the pool. tests/test_offload_schemes.py checks each scheme at one layer.
+  spec = KVQuantConfig('int4', 6, key_per_channel=True, recent_window=12)
+  prompt, params = prompts([120], seed=5)[0], SamplingParams(max_new_tokens=8)
+  # The reference feeds the prompt token by token (one compiled step): what a query reads does
+  # not depend on how its tokens arrived (tests/test_scheme_identity.py).
+  reference = _engine(17, kv_quant=spec, preemption='recompute', prefill_chunk=1,
+                      decode_min_rows=1)
+  offloaded = _engine(POOL_BLOCKS + 1, OFFLOAD, kv_quant=spec, preemption='recompute')
+  _same(_solo(offloaded, prompt, params), _solo(reference, prompt, params))
+  assert offloaded.stats['streamed_tokens'] == 120 - 2 * BLOCK + 8 - 1
+
+
 def test_offload_instead_of_preempting(reference):
   # Both fit the pool alone, not together: the one holding more blocks shrinks to its window.
   engine = _engine(POOL_BLOCKS + 1, dataclasses.replace(OFFLOAD, instead_of_preempting=True))
@@ -231,6 +249,18 @@ def test_bad_offload_config_is_refused(changes, message):
   config, _ = engine_config(cfg, block_size=BLOCK, num_blocks=POOL_BLOCKS + 1, max_batch_size=4)
   with pytest.raises(ConfigError, match=message):
     dataclasses.replace(config, offload=dataclasses.replace(OFFLOAD, **changes)).validate()
+
+
+@pytest.mark.parametrize('pool', [dict(kv_dtype='int4', kv_group_size=6, kv_key_per_channel=True),
+                                  dict(kv_dtype='int8', kv_recent_window=12)])
+def test_pools_with_lane_state_are_offloaded(pool):
+  # KIVI key tails and recent-window rings stay on the device with the window (their blocks
+  # stream as stored): validation accepts offload with them.
+  config, _ = engine_config(tiny('gqa')[0], block_size=BLOCK, num_blocks=POOL_BLOCKS + 1,
+                            max_batch_size=4)
+  config = dataclasses.replace(config, offload=OFFLOAD,
+                               pool=dataclasses.replace(config.pool, **pool))
+  assert config.validate().offload.enabled
 
 
 def _dense_attention(q, q_pos, k, v, kv_pos):

@@ -28,12 +28,21 @@ together, B of them padded to a row bucket (the engine's powers of two up to max
   per layer:
     begin      q/k/v; the new K/V written into the engine's pool at the rows' slots, in the
                pool's own scheme (donated: in place); each row's partial state over its window
+               (`_window_state`)
     fold       per fold step i: every row's i-th chunk of C host blocks (host block 0 at
                positions -1 for a row with fewer chunks) put on the device in one transfer,
                dequantized as the pool would, merged into each row's running state
     end        normalise, o_proj, residual, MLP
   finish       each row's last real token; final norm, logits and the engine's own sampler
                (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds)
+Pools with per-sequence lane state (device/kv_schemes.py: KIVI keys keep a partial block's
+keys in a bfloat16 tail per lane, a recent window its newest tokens in bfloat16 rings per lane)
+stream the same way. Only full blocks leave a window, and a full block holds its final codes, so
+host blocks are read as stored; the lane state stays on the device, and `begin` reads the window
+through the scheme's per-query view as the all-device step does (pool.write_and_attend). A
+recent window's ring may reach back past the window: those tokens are read from the ring there,
+and the folds see host keys only up to each query's position - window.
+
 So a batch costs L * (2 + the longest row's chunks) + 2 calls, whatever B is. The store's reads
 of a layer are started while the layer before computes (`OffloadStore.start_read`: a disk
 placement reads asynchronously).
@@ -72,28 +81,68 @@ class State(NamedTuple):
   acc: jax.Array  # [Hkv, R, Dh] sum of exp(score - m) * value
 
 
-def partial_state(q, q_positions, k_blocks, v_blocks, kv_positions, scale=None) -> State:
-  """The state of queries q [T, Hq, Dh] (positions [T], -1 = padding) over one span of keys:
-  k/v [N, Hkv, bs, Dh] with positions [N, bs] (-1 = empty slot). scale: 1/sqrt(Dh) unless
-  given. Masking uses `where` (never a multiply): an empty slot may hold anything."""
-  num_heads, head_dim = q.shape[1:]
-  num_blocks, num_kv_heads, block_size, _ = k_blocks.shape
-  group = num_heads // num_kv_heads
-  f32 = jnp.float32
-  scale = contract.softmax_scale(scale, head_dim)
-  rows = contract.group_rows(q[None].astype(f32) * scale, num_kv_heads)[0]  # [Hkv, R, Dh]
-  keys = num_blocks * block_size
-  kv_pos = kv_positions.reshape(keys)
-  row_pos = jnp.repeat(q_positions, group)  # [R], rows ordered (t, g)
-  visible = (kv_pos[None, :] >= 0) & (kv_pos[None, :] <= row_pos[:, None])  # [R, S]
-  scores = jnp.einsum('hrd,nhbd->hrnb', rows, k_blocks.astype(f32)).reshape(
-      num_kv_heads, -1, keys)
+def _scaled_rows(q, num_kv_heads, scale):
+  """q [T, Hq, Dh] -> the rows [Hkv, R, Dh] float32, scaled by 1/sqrt(Dh) unless given."""
+  scale = contract.softmax_scale(scale, q.shape[-1])
+  return contract.group_rows(q[None].astype(jnp.float32) * scale, num_kv_heads)[0]
+
+
+def _visible(q_positions, kv_positions, group, after=None):
+  """[R, S]: row r (query t, rows ordered (t, g)) sees slot s when 0 <= kv_positions[s] <=
+  q_positions[t], and kv_positions[s] > after[t] where given."""
+  row_pos = jnp.repeat(q_positions, group)  # [R]
+  visible = (kv_positions[None, :] >= 0) & (kv_positions[None, :] <= row_pos[:, None])
+  if after is not None:
+    visible &= kv_positions[None, :] > jnp.repeat(after, group)[:, None]
+  return visible
+
+
+def _exp_scores(scores, visible):
+  """(m [Hkv, R], p [Hkv, R, S]): the visible scores' max and their exp(score - m), 0 where not
+  visible. A row that sees nothing keeps m = -inf, NaN-free."""
   scores = jnp.where(visible[None], scores, -jnp.inf)
   m = jnp.max(scores, axis=-1)
-  shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing keeps m = -inf, NaN-free
-  p = jnp.where(visible[None], jnp.exp(scores - shift[..., None]), 0.0)
-  v = jnp.where((kv_positions >= 0)[:, None, :, None], v_blocks.astype(f32), 0.0)
+  shift = jnp.where(m == -jnp.inf, 0.0, m)
+  return m, jnp.where(visible[None], jnp.exp(scores - shift[..., None]), 0.0)
+
+
+def partial_state(q, q_positions, k_blocks, v_blocks, kv_positions, scale=None,
+                  after=None) -> State:
+  """The state of queries q [T, Hq, Dh] (positions [T], -1 = padding) over one span of keys:
+  k/v [N, Hkv, bs, Dh] with positions [N, bs] (-1 = empty slot). scale: 1/sqrt(Dh) unless
+  given. after [T] (optional): query t sees only keys at positions > after[t] (the newest
+  tokens a recent window reads from its rings, `_ring_span`). Masking uses `where` (never a
+  multiply): an empty slot may hold anything."""
+  num_blocks, num_kv_heads, block_size, _ = k_blocks.shape
+  group = q.shape[1] // num_kv_heads
+  rows = _scaled_rows(q, num_kv_heads, scale)  # [Hkv, R, Dh]
+  keys = num_blocks * block_size
+  visible = _visible(q_positions, kv_positions.reshape(keys), group, after)  # [R, S]
+  scores = jnp.einsum('hrd,nhbd->hrnb', rows, k_blocks.astype(jnp.float32)).reshape(
+      num_kv_heads, -1, keys)
+  m, p = _exp_scores(scores, visible)
+  v = jnp.where((kv_positions >= 0)[:, None, :, None], v_blocks.astype(jnp.float32), 0.0)
   acc = jnp.einsum('hrnb,nhbd->hrd', p.reshape(num_kv_heads, -1, num_blocks, block_size), v)
+  return State(m, jnp.sum(p, axis=-1), acc)
+
+
+def view_state(q, q_positions, k_lo, v_lo, k_hi, v_hi, key_hi, value_hi, kv_positions,
+               scale=None) -> State:
+  """partial_state over flat keys k/v [S, Hkv, Dh] (positions [S]) read per query as
+  pool.view_attention reads them: query t takes slot s's key from k_hi where key_hi[t, s], else
+  from k_lo, and its value from v_hi where value_hi[t, s], else from v_lo (masks [T, S]; the
+  per-query view of KIVI keys and recent windows, KVScheme.write_view)."""
+  num_kv_heads = k_lo.shape[1]
+  group = q.shape[1] // num_kv_heads
+  rows = _scaled_rows(q, num_kv_heads, scale)
+  per_row = lambda mask: jnp.repeat(mask, group, axis=0)[None]  # [T, S] -> [1, R, S]
+  score = lambda keys: jnp.einsum('hrd,shd->hrs', rows, keys.astype(jnp.float32))
+  m, p = _exp_scores(jnp.where(per_row(key_hi), score(k_hi), score(k_lo)),
+                     _visible(q_positions, kv_positions, group))
+  real = (kv_positions >= 0)[:, None, None]
+  v_lo, v_hi = (jnp.where(real, x.astype(jnp.float32), 0.0) for x in (v_lo, v_hi))
+  acc = (jnp.einsum('hrs,shd->hrd', p, v_lo) +
+         jnp.einsum('hrs,shd->hrd', p * per_row(value_hi), v_hi - v_lo))
   return State(m, jnp.sum(p, axis=-1), acc)
 
 
@@ -124,6 +173,9 @@ class RowInputs(NamedTuple):
   slots: jax.Array  # [B, T] int32: the pool slot each token's K/V is written to (padding: 0)
   window_table: jax.Array  # [B, W] int32: each row's device blocks, oldest first (null pads)
   window_positions: jax.Array  # [B, W, bs] int32: their tokens' positions, new ones included
+  window_start: jax.Array  # [B] int32: the position of the window's first slot (padding: 0)
+  lanes: jax.Array  # [B] int32: each row's lane (KIVI key tails, recent-window rings; padding:
+  # the null lane 0)
 
 
 class StreamedRow(NamedTuple):
@@ -137,10 +189,21 @@ class StreamedRow(NamedTuple):
   top_p: float
   seed: int
   counter: int  # tokens generated so far (the sampler's stream position)
+  lane: int = 0  # the sequence's lane in per-sequence device state (Sequence.lane)
 
 
 class _Slots(NamedTuple):
   slot_mapping: jax.Array  # [B, T]: what the pool's schemes write through (KVPool.at_slots)
+
+
+class _WindowBatch(NamedTuple):
+  """What a scheme's write and write_view read of a step (the fields of StepInputs they use),
+  for the rows' windows."""
+  positions: jax.Array  # [B, T]
+  block_tables: jax.Array  # [B, W]
+  context_lens: jax.Array  # [B]
+  lanes: jax.Array  # [B]
+  slot_mapping: jax.Array  # [B, T]
 
 
 def _layer(lp, layer, stacked: bool):
@@ -148,6 +211,87 @@ def _layer(lp, layer, stacked: bool):
 
 
 _partial_states = jax.vmap(partial_state)  # one state per row: [B, Hkv, R(, Dh)]
+_view_states = jax.vmap(view_state)
+
+
+def _flat(blocks):
+  """[B, W, H, bs, D] -> [B, W * bs, H, D]: a row's window slots in position order."""
+  b, w, h, bs, d = blocks.shape
+  return jnp.swapaxes(blocks, 2, 3).reshape(b, w * bs, h, d)
+
+
+def _scatter(flat, at, values):
+  """flat [B, S, H, D] with values [B, n, H, D] at slots at [B, n] (>= S: dropped)."""
+  rows = jnp.arange(flat.shape[0])[:, None]
+  return flat.at[rows, at].set(values.astype(flat.dtype), mode='drop')
+
+
+def _window_state(pool, layer, q, k, v, rows: RowInputs):
+  """Writes the rows' new K/V into the pool in its scheme; returns (pool, each row's state
+  over what it reads from the device: its window, and with a recent window the ring tokens
+  older than the window).
+
+  Schemes that read one view per row (float, int8, fp8, int4 groups) read the window's blocks
+  dequantized. Schemes with a per-query view (KVScheme.per_query_view: KIVI keys read a query's
+  own block unquantized, a recent window its newest tokens) are read as the all-device step
+  reads them (pool.write_and_attend): their write_view over the window, as if the window were
+  the whole table. The window starts at a whole block (window_start), so relative positions
+  give KIVI the same blocks, tails and masks; a recent window's rings are indexed by absolute
+  position (`_recent_window_view`)."""
+  scheme = pool.scheme
+  if not scheme.per_query_view:
+    pool = pool_lib.write_kv(pool, layer, k, v, _Slots(rows.slots))
+    window_k, window_v = scheme.read_blocks(pool, layer, rows.window_table)
+    return pool, _partial_states(q, rows.positions, window_k, window_v, rows.window_positions)
+  num_rows, width = rows.window_table.shape
+  bs, pos = pool.block_size, rows.positions
+  start = rows.window_start[:, None]
+  absolute = _WindowBatch(pos, rows.window_table, jnp.max(pos, axis=1) + 1, rows.lanes,
+                          rows.slots)
+  in_window = absolute._replace(positions=jnp.where(pos >= 0, pos - start, -1),
+                                context_lens=jnp.maximum(absolute.context_lens - start[:, 0], 0))
+  if scheme.recent_window:
+    pool, view, older = _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window,
+                                            rows.window_start)
+  else:
+    pool, view = scheme.write_view(pool, layer, k, v, in_window)
+  masks = scheme.recent_masks(in_window.positions, width * bs, bs)  # shift-invariant
+  state = _view_states(q, pos, *view, *masks,
+                       rows.window_positions.reshape(num_rows, width * bs))
+  return pool, (combine(state, older) if scheme.recent_window else state)
+
+
+def _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window, window_start):
+  """RecentWindow.write_view over the rows' windows: the rings are written and read at absolute
+  positions (`absolute`), the inner format over the window (`in_window`). Returns (pool, the
+  window's view (k_lo, v_lo, k_hi, v_hi) [B, W * bs, H, D], the rows' state over the ring
+  tokens before the window). Those tokens are in host blocks too, quantized; a query reads its
+  newest `window` tokens from the rings, so the host chunks are folded in only up to
+  position - window (`_fold`) and this state covers the rest."""
+  n, pos = scheme.window, absolute.positions
+  first = jnp.where(pos[:, 0] >= 0, pos[:, 0], 0)[:, None]
+  ring_pos = first - 1 - (first - 1 - jnp.arange(n)[None, :]) % n  # newest position < first
+  rings = [jnp.swapaxes(a[layer, absolute.lanes], 1, 2) for a in (pool.recent_k, pool.recent_v)]
+  pool = scheme._write_rings(pool, layer, k, v, absolute)  # the rings as the step writes them
+  inner = scheme.inner
+  if inner.per_query_view:
+    pool, (k_lo, v_lo, k_hi, v_hi) = inner.write_view(pool, layer, k, v, in_window)
+  else:
+    pool = inner.write(pool, layer, k, v, in_window)
+    k_lo, v_lo = (_flat(x) for x in inner.read_blocks(pool, layer, in_window.block_tables))
+    k_hi, v_hi = k_lo, v_lo
+  num_slots, start = k_lo.shape[1], window_start[:, None]
+  ring_at = jnp.where(ring_pos >= start, ring_pos - start, num_slots)  # older ones: dropped
+  new_at = jnp.where(pos >= 0, pos - start, num_slots)
+  unquantized = lambda x: x.astype(scheme.RING_DTYPE).astype(jnp.float32)
+  k_hi = _scatter(_scatter(k_hi, ring_at, rings[0]), new_at, unquantized(k))
+  v_hi = _scatter(_scatter(v_hi, ring_at, rings[1]), new_at, unquantized(v))
+  before = jnp.where((ring_pos >= 0) & (ring_pos < start), ring_pos, -1)  # [B, n]
+  # The ring as one block of n slots per row, seen by the queries it is among the newest n of.
+  as_block = lambda ring: jnp.swapaxes(ring, 1, 2)[:, None]  # [B, 1, H, n, D]
+  older = _partial_states(q, pos, as_block(rings[0]), as_block(rings[1]), before[:, None],
+                          after=pos - n)
+  return pool, (k_lo, v_lo, k_hi, v_hi), older
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -160,9 +304,7 @@ def _embed(cfg, params, tokens):
 def _begin_layer(cfg, stacked, lp, layer, x, pool, rows: RowInputs):
   traces.record()
   q, k, v = llama.layer_qkv(cfg, _layer(lp, layer, stacked), x, rows.positions)
-  pool = pool_lib.write_kv(pool, layer, k, v, _Slots(rows.slots))
-  window_k, window_v = pool.scheme.read_blocks(pool, layer, rows.window_table)
-  state = _partial_states(q, rows.positions, window_k, window_v, rows.window_positions)
+  pool, state = _window_state(pool, layer, q, k, v, rows)
   return q, state, pool
 
 
@@ -174,7 +316,9 @@ def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_position
   rows, chunk_blocks = chunk_positions.shape[:2]
   k, v = blocks.scheme.read_blocks(blocks, 0,
                                    jnp.arange(rows * chunk_blocks).reshape(rows, chunk_blocks))
-  return combine(state, _partial_states(q, positions, k, v, chunk_positions))
+  # A recent window's newest tokens are read from its rings (_recent_window_view), not here.
+  upto = positions - blocks.scheme.recent_window  # padding (-1) stays below 0
+  return combine(state, _partial_states(q, upto, k, v, chunk_positions))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -273,6 +417,7 @@ class StreamedAttention:
     slots = np.zeros((num_rows, num_tokens), np.int32)  # padding writes the null block's slot 0
     table = np.zeros((num_rows, w), np.int32)  # the null block pads a window
     window_positions = np.full((num_rows, w, bs), -1, np.int32)
+    window_start, lanes = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
     for r, row in enumerate(rows):
       count, first = len(row.tokens), len(row.host_table)  # first: the window's logical block
       real = np.arange(row.start, row.start + count)
@@ -282,7 +427,8 @@ class StreamedAttention:
       held = ((first + np.arange(len(row.window_table)))[:, None] * bs + np.arange(bs))
       held[held >= row.start + count] = -1  # not cached even once this row's K/V are written
       window_positions[r, :len(row.window_table)] = held
-    return RowInputs(positions, slots, table, window_positions)
+      window_start[r], lanes[r] = first * bs, row.lane
+    return RowInputs(positions, slots, table, window_positions, window_start, lanes)
 
   def run(self, params, pool, store, rows: List[StreamedRow]):
     """Feeds the rows; returns (pool, sampled tokens [len(rows)], logits [len(rows), V] as
