@@ -32,6 +32,9 @@ def trace():
 def run(router: str, store_blocks: int = 0) -> SimulatedCluster:
   cfg = config()
   engines, costs = study_lib.make_engines(cfg, cfg.cluster.replicas)
+  if store_blocks:  # loads from the store: 100 GB/s, 100 us (the Mooncake study's figures)
+    cfg.cluster.update(dict(store_bytes_per_s=100e9, store_latency_s=1e-4))
+    costs = [study_lib.store_costs(cfg, c) for c in costs]
   cluster = SimulatedCluster(engines, routers.make_router(router), costs,
                              shared_store_blocks=store_blocks)
   cluster.run(trace())
@@ -85,8 +88,9 @@ def test_a_shared_store_is_in_the_index_for_every_replica_and_finds_more():
   assert f['shared_store'] and f['hit_rate_shared_tokens'] > 0.1
   assert f['hit_rate_with_store_tokens'] > g['hit_rate_with_store_tokens'] + 0.1
   assert g['hit_rate_shared_tokens'] == 0 and g['prompt_tokens_shared'] == 0
-  assert (f['prompt_tokens_computed_with_store'] ==
-          f['prompt_tokens_computed'] - f['prompt_tokens_shared'])
+  # the store's blocks are loaded, not computed: fewer prompt tokens computed than local
+  assert f['prompt_tokens_computed_with_store'] == f['prompt_tokens_computed']
+  assert f['prompt_tokens_computed'] < g['prompt_tokens_computed'] - f['prompt_tokens_shared'] / 2
   # every replica counts a store block for the precise router: a prompt whose blocks only the
   # store holds matches on all of them
   keys = routers.RouteRequest(-1, trace()[-1].prompt_ids).keys(config().pool.block_size)
@@ -150,3 +154,27 @@ def test_check_names_the_bad_field():
   cfg.workload.path = '/no/such/trace.jsonl'
   with pytest.raises(ConfigError, match=r'workload\.path=.*block-hash trace'):
     study_lib.check(cfg)
+
+
+def test_a_store_hit_is_loaded_not_computed_and_its_ttft_pays_the_load():
+  """Two replicas under round robin and one store: the second request for a prompt lands on
+  the replica that never saw it, finds its blocks in the store, computes only the rest, and
+  its first token comes after the load's tier-3 time (store latency + bytes / bandwidth)."""
+  cfg = cluster_config.get_config('tiny_mooncake')  # blocks of 8; a 100 GB/s, 100 us store
+  engines, costs = study_lib.make_engines(cfg, 2)
+  costs = [study_lib.store_costs(cfg, c) for c in costs]
+  bs = engines[0].block_size
+  prompt = list(range(10, 10 + 12 * bs + 5))  # 12 full blocks
+  requests = [study_lib.ClusterRequest(i, prompt, 2, 1.0 * i) for i in range(2)]
+  cluster = SimulatedCluster(engines, routers.make_router('round_robin'), costs,
+                             shared_store_blocks=64)
+  first, second = sorted(cluster.run(requests), key=lambda o: o.request_id)
+  assert (first.replica, second.replica) == (0, 1)
+  assert first.shared_at_routing == 0 and second.shared_at_routing == 12 * bs
+  computed = [e.summary()['prompt_tokens_computed'] for e in engines]
+  assert computed == [len(prompt), len(prompt) - 12 * bs]
+  load_s = costs[1].load_s([3] * 12)
+  assert load_s > 1e-4 and second.ttft_s > load_s
+  assert second.ttft_s < first.ttft_s  # loading 12 blocks beats computing them here
+  with pytest.raises(ValueError, match='shared_store_blocks=64 needs costs'):
+    SimulatedCluster(engines, routers.make_router('round_robin'), shared_store_blocks=64)

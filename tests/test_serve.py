@@ -5,6 +5,8 @@ deployment of the tiny random model behind the precise router answers OpenAI-sha
 the replicas' KV events); a replica killed mid-request has its request finished on the other
 with the same tokens, and the router forgets it. One deployment for the module, always shut
 down (Ray included); every wait bounded."""
+import contextlib
+import dataclasses
 import re
 import threading
 import time
@@ -13,29 +15,39 @@ import uuid
 import pytest
 
 import ray  # requirements-serve.txt
+from ray import serve
 
 from configs import serve as serve_config
 from experiments import serve as serve_study
 from pagedjax import factory
+from pagedjax.cluster import routers
 from pagedjax.cluster import serve as serve_lib
 from pagedjax.config import ConfigError
 from pagedjax.host import kv_events
 
 TIMEOUT_S = 60.0
+STORE_SLOTS = 1024  # the shared store's slots (home slot: chain key mod slots)
+BLOCK = 16  # the tiny config's block size
 PREFIX = ('In the beginning God created the heaven and the earth. And the earth was without '
           'form, and void; and darkness was upon the face of the deep. ')
 
 
 @pytest.fixture(scope='module')
-def setup(request):
+def setup(request, tmp_path_factory):
+  """The deployment: 2 replicas of the tiny config whose disk tiers are one shared store (a
+  fresh directory, written through); the reference engine has no disk tier."""
   config = factory.typed(serve_config.get_config('tiny'))
+  reference_config = config
+  config = dataclasses.replace(config, tiers=dataclasses.replace(
+      config.tiers, disk_blocks=STORE_SLOTS, disk_kvstore=str(tmp_path_factory.mktemp('store')),
+      write_through=True, promotion='load'))
   tokenizer = serve_study.tokenizer_for(config)  # loaded once: the replicas get this one
   deployment = serve_lib.ServeDeployment(config, 2, ('precise', 'precise', {}),
                                          tokenizer=tokenizer, request_timeout_s=TIMEOUT_S,
-                                         start_timeout_s=240)
+                                         start_timeout_s=240, shared_store=True)
   request.addfinalizer(deployment.stop)  # Ray, and Serve with it, down whatever happens below
   deployment.start_ray()  # before jax runs here: Ray forks its processes first
-  engine = factory.build_engine(config, tokenizer)
+  engine = factory.build_engine(reference_config, tokenizer)
   serve_lib.warm_up(engine)  # compiled here first: the replicas load it from the test run's cache
   deployment.start()
   return deployment, engine, tokenizer
@@ -99,6 +111,82 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
   assert len(replicas) == 1
 
 
+def wait_for(check, what: str):
+  """check()'s first true value, polled for at most TIMEOUT_S."""
+  deadline = time.monotonic() + TIMEOUT_S
+  while time.monotonic() < deadline:
+    value = check()
+    if value:
+      return value
+    time.sleep(0.05)
+  raise AssertionError(f'not within {TIMEOUT_S} s: {what}')
+
+
+def on_disk(deployment, replica: str) -> set:
+  """The chain keys a replica announced as stored on disk (its BlockStored(DISK) events)."""
+  _, batches, _, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
+  return {key for uid, wire in batches if uid == replica
+          for e in kv_events.batch_from_wire(wire).events
+          if isinstance(e, kv_events.BlockStored) and e.medium == kv_events.MEDIUM_DISK
+          for key in e.block_hashes}
+
+
+def figures(deployment, replica: str) -> dict:
+  """A replica's engine figures as it last published them (when it last went idle)."""
+  return deployment.replica_summaries().get(replica, {})
+
+
+@contextlib.contextmanager
+def busy(deployment, prompt, replica: str):
+  """A 100-token request on `replica` (whose device cache holds the prompt's prefix) for the
+  block: the router then sends a prompt both replicas can serve to the idle one."""
+  rid, result = f'busy-{uuid.uuid4().hex}', {}
+  worker = threading.Thread(target=lambda: result.update(
+      out=serve_lib.post(deployment.url, body(prompt, 100, request_id=rid), TIMEOUT_S)))
+  worker.start()
+  serving = wait_for(lambda: ray.get(deployment.bus.serving.remote(rid), timeout=TIMEOUT_S),
+                     'the long request is in flight')
+  assert serving == [replica], (serving, replica)
+  try:
+    yield
+  finally:
+    worker.join(TIMEOUT_S)
+  assert result['out'][0] == 200, result
+
+
+def test_a_prompt_one_replica_computed_is_a_disk_hit_on_the_other(setup):
+  """The replicas share one disk store: replica A computes a prompt and writes its blocks
+  through to the store (its BlockStored(DISK) events); while A is busy, the router sends the
+  prompt to B, which finds them there as tier-3 hits (adopted from their home slots, announced
+  as its own BlockStored(DISK)) and answers with the single engine's greedy tokens."""
+  deployment, engine, _ = setup
+  prompt = list(range(600, 680))  # 5 full blocks
+  keys = routers.RouteRequest(0, prompt).keys(BLOCK)
+  matchable = (len(prompt) - 1) // BLOCK  # a lookup never takes the last token
+  status, out = serve_lib.post(deployment.url, body(prompt, 2), TIMEOUT_S)
+  assert status == 200, out
+  a = out['pagedjax']['replica']
+  wait_for(lambda: set(keys) <= on_disk(deployment, a), 'A announced its blocks on disk')
+  before = {}
+  with busy(deployment, prompt + list(range(700, 720)), a):
+    other = [uid for uid in ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)[2]
+             if uid != a]
+    before = {uid: figures(deployment, uid) for uid in other}
+    status, out = serve_lib.post(deployment.url, body(prompt, 6), TIMEOUT_S)
+  assert status == 200, out
+  b = out['pagedjax']['replica']
+  assert b != a and b in before
+  assert out['choices'][0]['token_ids'] == reference(engine, prompt, 6)
+  count = lambda s, name: s.get(name) or 0
+  after = wait_for(lambda: (lambda s: s if count(s, 'tiers_tier3_hit_blocks') - count(
+      before[b], 'tiers_tier3_hit_blocks') >= matchable else None)(figures(deployment, b)),
+                   "B's tier-3 hits in its figures")
+  assert after['tier3_shared']
+  assert count(after, 'tier3_adopted_blocks') - count(before[b], 'tier3_adopted_blocks') >= (
+      matchable)
+  assert set(keys[:matchable]) <= on_disk(deployment, b)
+
+
 def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup):
   deployment, engine, _ = setup
   prompt, n, rid = list(range(300, 340)), 300, f'kill-test-{uuid.uuid4().hex}'
@@ -122,6 +210,23 @@ def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup)
   assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
   _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
   assert victim not in states  # the router told the bus to forget it (and cleared its blocks)
+  # Serve starts a replica in place of the victim: it opens the shared store, restores what
+  # the others wrote, and serves the prompt from it (while the survivor is busy)
+  survivor = out['pagedjax']['replica']
+  fresh = wait_for(lambda: [uid for uid in ray.get(deployment.bus.since.remote(0),
+                                                   timeout=TIMEOUT_S)[2]
+                            if uid not in (victim, survivor)], 'a replica in place of the dead')
+  wait_for(lambda: serve.status().applications[serve_lib.APP_NAME].deployments[
+      'EngineReplica'].replica_states.get('RUNNING') == 2, 'Serve lists it running')
+  time.sleep(0.5)  # the ingress's router learns of it by long poll
+  with busy(deployment, prompt + list(range(720, 740)), survivor):
+    status, out = serve_lib.post(deployment.url, body(prompt, 6), TIMEOUT_S)
+  assert status == 200, out
+  assert out['pagedjax']['replica'] == fresh[0]
+  assert out['choices'][0]['token_ids'] == reference(engine, prompt, 6)
+  restarted = wait_for(lambda: figures(deployment, fresh[0]), 'its figures')
+  assert restarted['tier3_restored_blocks'] > 0
+  assert restarted['tiers_tier3_hit_blocks'] >= (len(prompt) - 1) // BLOCK
 
 
 def test_a_shared_store_deployment_needs_a_disk_tier_and_its_router_shares_the_disk(tmp_path):

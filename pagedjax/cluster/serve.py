@@ -262,6 +262,9 @@ class EngineReplica:
     while not self._stop.is_set():
       if not self.engine.has_work():
         if self._dirty:  # gone idle: the figures of what it served so far
+          if self.engine.tiers is not None:  # disk writes in flight land (and are announced)
+            with self.engine.lock:
+              self.engine.tiers.flush()
           self._publish(force=True, summary=True)
           self._dirty = False
         self._wake.wait(0.05)

@@ -20,13 +20,16 @@ Every block a replica's device cache keys is written to it (its BlockStored(GPU)
 the store's own stores and evictions go into the KV index as medium DISK, which the index
 shares among all replicas (KVIndex(shared_media=('DISK',))), so the precise and tier-aware
 routers count a store block on every replica at disk cost. At submission, the prompt's blocks
-past what the replica's device cache holds that the store holds (as a prefix) are the
-request's shared hits: `Outcome.shared_at_routing` tokens, counted in the figures as
-`hit_rate_shared_tokens` and subtracted from the prompt tokens computed
-(`prompt_tokens_computed_with_store`; loading them costs `tier_cost`'s disk figures). A
-simulated pool holds no block contents, so the simulated replica still computes those tokens:
-its device time, and so TTFT and throughput, are those of local caches; the hit rates and the
-compute saved are the shared store's.
+past what the replica's device cache holds that the store holds (as a prefix, short of the
+block holding the last prompt token) are the request's shared hits, `Outcome.shared_at_routing`
+tokens (`hit_rate_shared_tokens`): they are loaded into the replica's device cache as a tier-3
+promotion puts them (Replica.load_from_store: cached, idle, announced), so the engine does not
+compute them, and the request reaches the engine only after the load, at its arrival time plus
+its cost model's tier-3 time for those blocks (`tier_cost.TierCosts.load_s`: the store's
+latency and bandwidth behind the host link; SimulatedCluster then needs `costs`). Its TTFT,
+counted from its arrival at the cluster, includes the load. What this leaves out: the blocks
+are in the device cache from the routing decision on, not from the load's end, and loads do
+not contend for the store's bandwidth.
 
 Queued prefill work (ReplicaState.queued_prefill_tokens): for each request routed to a replica
 and not yet prefilled, the prompt tokens its device cache did not hold at routing time, and for
@@ -36,6 +39,7 @@ of requests and of prompt tokens computed per replica), and the router's decisio
 """
 import collections
 import dataclasses
+import math
 import time
 from typing import Dict, List, Optional, Sequence as Seq
 
@@ -45,6 +49,7 @@ from pagedjax.cluster.index import KVIndex
 from pagedjax.cluster.routers import ReplicaState, RouteRequest, Router
 from pagedjax.host import kv_events
 from pagedjax.host.requests.intake import RequestError
+from pagedjax.host.requests.sequence import Sequence
 from pagedjax.host.requests.sampling_params import SamplingParams
 
 QUANTILES = (50, 90, 99)
@@ -181,18 +186,52 @@ class Replica:
              store: Optional[SharedStore] = None) -> None:
     device = self.device_prefix_blocks(route)
     cached = self._tokens(device, route)
-    shared = 0
+    shared, arrival = 0, request.arrival_time
     if store is not None:
       held = store.prefix(route.keys(self.engine.block_size), device)
-      shared = self._tokens(device + held, route) - cached
+      # the last prompt token is always computed: a block holding it is not loaded
+      held = max(0, min(device + held, (len(request.prompt_ids) - 1) // self.engine.block_size)
+                 - device)
+      loaded = self.load_from_store(route, device, held)
+      shared = self._tokens(device + loaded, route) - cached
+      arrival += self.state.cost.load_s([3] * loaded) if loaded else 0.0
     local = self.engine.submit(request.prompt_ids, SamplingParams(
         max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
-                               arrival_time=request.arrival_time)
+                               arrival_time=arrival)
     route.hand_keys(self.engine, local)  # the keys routing computed: not hashed again
     self.requests[local] = (request, cached, route_s, shared)
     self.routed += 1
     self.state.num_waiting += 1
     self.state.queued_prefill_tokens += len(request.prompt_ids) - cached - shared
+
+  def load_from_store(self, route: RouteRequest, first: int, n: int) -> int:
+    """Blocks first..first+n-1 of the prompt, which the shared store holds, into this
+    replica's device cache, as a tier-3 hit's promotion puts them (cached and idle, announced
+    as BlockStored(GPU)), so the engine does not compute them; the blocks of its device prefix
+    are held meanwhile so the allocation cannot evict them. As many as the pool has room for;
+    returns how many."""
+    engine = self.engine
+    cache, allocator, bs = engine.prefix_cache, engine.allocator, engine.block_size
+    keys = route.keys(bs)
+    prefix = [cache.block_of(k) for k in keys[:first]]
+    for block in prefix:
+      allocator.take_cached(block)
+    n = min(n, allocator.num_free)
+    # a stand-in sequence holding the prompt's blocks, offered as a filled prompt's would be
+    loading = Sequence(-1, list(route.prompt_ids), SamplingParams(cache_salt=route.salt))
+    loading.block_table = prefix + allocator.allocate(n)
+    loading.block_keys, loading.num_offered = list(keys[:first + n]), first
+    cache.offer(loading, first + n)
+    allocator.free(loading.block_table)
+    return n
+
+  def next_time(self) -> float:
+    """When this replica next has something to do: now, or its next queued arrival (a
+    request waiting for its load from the store) when it has nothing scheduled."""
+    engine = self.engine
+    if engine.scheduler.has_work() or not engine.intake.pending:
+      return engine.clock
+    return max(engine.clock, engine.intake.next_arrival())
 
   def step(self, index: KVIndex, store: Optional[SharedStore] = None) -> list:
     done = self.engine.step()
@@ -233,6 +272,14 @@ class SimulatedCluster:
     module docstring)."""
     if not engines:
       raise ValueError('a cluster needs at least one replica')
+    if shared_store_blocks and not costs:
+      raise ValueError(f'shared_store_blocks={shared_store_blocks} needs costs (each replica\'s '
+                       'tier_cost.TierCosts: a load from the store takes its tier-3 time)')
+    for i, cost in enumerate(costs or ()):
+      if shared_store_blocks and not math.isfinite(cost.load_s([3])):
+        raise ValueError(f'costs[{i}] has no tier-3 figures (bytes_per_s[3]='
+                         f'{cost.bytes_per_s.get(3)}, latency_s[3]={cost.latency_s.get(3)}): '
+                         'a shared store needs the time a load from it takes')
     self.replicas = [Replica(i, e, costs[i] if costs else None) for i, e in enumerate(engines)]
     self.store = (SharedStore(shared_store_blocks, engines[0].block_size)
                   if shared_store_blocks else None)
@@ -254,8 +301,11 @@ class SimulatedCluster:
       next_arrival = pending[i].arrival_time if i < len(pending) else None
       if next_arrival is None and not busy:
         break
-      first = min(busy, key=lambda r: (r.engine.clock, r.index)) if busy else None
-      if next_arrival is not None and (first is None or next_arrival <= first.engine.clock):
+      # with a store, a request may be queued for after its load: a replica waiting for one
+      # is not stepped past arrivals it could still take
+      when = (lambda r: r.next_time()) if self.store is not None else (lambda r: r.engine.clock)
+      first = min(busy, key=lambda r: (when(r), r.index)) if busy else None
+      if next_arrival is not None and (first is None or next_arrival <= when(first)):
         self._route(pending[i], states)
         i += 1
       else:
@@ -278,8 +328,9 @@ class SimulatedCluster:
 
   def _finished(self, replica: Replica, c) -> None:
     request, cached, route_s, shared = replica.requests.pop(c.request_id)
-    self.outcomes.append(Outcome(
-        request.request_id, replica.index, request.label, c.arrival_time, c.first_token_time,
+    self.outcomes.append(Outcome(  # arrival: the cluster's (a store load came after it)
+        request.request_id, replica.index, request.label, request.arrival_time,
+        c.first_token_time,
         c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s, shared))
 
   # ---- figures -----------------------------------------------------------------------------
@@ -306,7 +357,7 @@ class SimulatedCluster:
         shared_store_blocks=self.store.capacity if self.store is not None else 0,
         prompt_tokens_computed=int(sum(computed)),
         prompt_tokens_shared=int(shared),
-        prompt_tokens_computed_with_store=max(0, int(sum(computed)) - shared),
+        prompt_tokens_computed_with_store=int(sum(computed)),  # loaded tokens are not
         imbalance_requests=_max_over_mean(routed), imbalance_prefill=_max_over_mean(computed),
         rejected_requests=len(self.rejected), simulator_wall_s=self.wall_s,
         kv_index_events=self.index.events_applied)
