@@ -336,13 +336,15 @@ class PlanExecutor:
       specs.append(StreamedRow(seq.all_ids[start:start + n], start, seq.host_table,
                                seq.block_table, p.temperature, p.top_k, p.top_p, p.seed,
                                len(seq.output_ids), seq.lane))
-    self.pool, tokens, logits, streamed = self._timed(
-        out, self.streamed.run, self.params, self.pool, self.offload.store, specs)
+    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
+                for s, _ in rows if s.beam), default=0)  # as _step's
+    self.pool, tokens, logits, streamed, cands = self._timed(
+        out, self.streamed.run, self.params, self.pool, self.offload.store, specs, topk)
     out.counts['streamed_rows'] += len(rows)
     out.counts['streamed_tokens'] += sum(n for _, n in rows)
     out.counts['streamed_bytes'] += streamed
     out.counts['streamed_steps'] += 1
-    return CallResult(rows, tokens, logits if self.device.record_logits else None)
+    return CallResult(rows, tokens, logits if self.device.record_logits else None, cands)
 
   def _timed(self, out: StepOutput, fn, *args):
     """Runs a device call (which must block on its result), charging compile or device time."""

@@ -105,6 +105,23 @@ def test_4x_the_pool_with_parallel_samples_sharing_its_prefix(offloaded, referen
   assert offloaded.stats['streamed_tokens'] - streamed == 120 - 2 * BLOCK + 2 * 8 - 1
 
 
+def test_4x_the_pool_with_beams_sharing_its_prefix(offloaded, reference):
+  # 100 + 28 = 128 tokens = 4x the pool, beam_width=2: the beams fork from one streamed
+  # prefill sharing its host blocks, decode in one streamed batch, and move the blocks they
+  # share out of their windows each on its own (28 tokens cross 4 blocks).
+  prompt = prompts([100], seed=21)[0]
+  params = SamplingParams(max_new_tokens=28, beam_width=2)
+  want = _solo(reference, prompt, params)
+  before = dict(offloaded.stats)
+  got = _solo(offloaded, prompt, params)
+  assert [ids for ids, _ in got.beams] == [ids for ids, _ in want.beams]
+  np.testing.assert_allclose([score for _, score in got.beams],
+                             [score for _, score in want.beams], atol=ATOL_LOGITS, rtol=0)
+  assert got.beams[0][0] != got.beams[1][0]
+  assert offloaded.stats['forks'] > before.get('forks', 0)
+  assert offloaded.offload.allocator.num_used == 0 and offloaded.offload.available == 70
+
+
 def test_a_warm_engine_compiles_nothing_more(offloaded):
   offloaded.generate(prompts([45], seed=6), SamplingParams(max_new_tokens=3))  # warm already
   before = offloaded.num_compilations
@@ -227,8 +244,14 @@ def test_refused_beyond_host_ram_and_for_beams(offloaded):
   with pytest.raises(RequestError, match=r'needs up to 71 host blocks .* for n=4 samples .* '
                                          r'offload.host_blocks is 70: it can never fit'):
     offloaded.submit(long_prompt, SamplingParams(max_new_tokens=12, n=4))
-  with pytest.raises(RequestError, match='beam_width=2: beam search is not served with offload'):
+  # Beams: the leader's 61 host blocks and, back from a recompute, a second copy of them.
+  with pytest.raises(RequestError, match=r'needs up to 122 host blocks .* for beam_width=2 '
+                                         r'beams .* offload.host_blocks is 70'):
     offloaded.submit(long_prompt, SamplingParams(max_new_tokens=4, beam_width=2))
+  with pytest.raises(RequestError, match=r'beam_width=3: a beam group decodes together, each '
+                                         r'beam holding up to offload.device_blocks=2 device '
+                                         r"blocks, but 3 x 2 is more than the pool's 4"):
+    offloaded.submit(prompts([100], seed=3)[0], SamplingParams(max_new_tokens=4, beam_width=3))
   plain = _engine(POOL_BLOCKS + 1)
   with pytest.raises(RequestError, match=r'it can never fit \(offload.host_blocks > 0'):
     plain.submit(long_prompt, SamplingParams(max_new_tokens=4))

@@ -34,7 +34,9 @@ together, B of them padded to a row bucket (the engine's powers of two up to max
                dequantized as the pool would, merged into each row's running state
     end        normalise, o_proj, residual, MLP
   finish       each row's last real token; final norm, logits and the engine's own sampler
-               (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds)
+               (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds); with a
+               beam row in the batch, also every row's top-K ids and log-probs, as the
+               compiled step returns them (model/step.py)
 Pools with per-sequence lane state (device/kv_schemes.py: KIVI keys keep a partial block's
 keys in a bfloat16 tail per lane, a recent window its newest tokens in bfloat16 rings per lane)
 stream the same way. Only full blocks leave a window, and a full block holds its final codes, so
@@ -51,8 +53,9 @@ The weights are the engine's: on one CPU device each layer's params are views of
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
 index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
 W, the chunk C, the row bucket B and the query length T, one of the engine's two token
-buckets. So an engine compiles 5 programs per (T, B) it meets and the sampler's once per B,
-whatever the context: at most 11 per row bucket; the layer is a traced argument. Every one is counted in
+buckets. So an engine compiles 5 programs per (T, B) it meets and the sampler's once per B
+(and once per (B, K) with beams), whatever the context: at most 11 per row bucket without
+beams; the layer is a traced argument. Every one is counted in
 pagedjax/device/traces.py, and engines of one model and pool shape share them (module-level
 jits, the model config and storage spec static).
 """
@@ -334,12 +337,18 @@ def _last_tokens(x, index):
   return x[jnp.arange(x.shape[0]), index]  # [B, T, D] -> [B, D]: each row's last real token
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _finish(cfg, params, x, temperature, top_k, top_p, seed, counter):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _finish(cfg, topk, params, x, temperature, top_k, top_p, seed, counter):
   # Takes [B, D], not [B, T, D]: the sampler (a vocabulary sort) compiles once per row bucket.
+  # topk K > 0 (a batch holding a beam row) also returns each row's K best ids and log-probs,
+  # as the compiled step does (model/step.py).
   traces.record()
   logits = llama.final_logits(cfg, params, x)
-  return sample(logits, temperature, top_k, top_p, seed, counter), logits
+  tokens = sample(logits, temperature, top_k, top_p, seed, counter)
+  if not topk:
+    return tokens, logits, ()
+  logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), topk)
+  return tokens, logits, (ids.astype(jnp.int32), logprobs)
 
 
 def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
@@ -430,28 +439,33 @@ class StreamedAttention:
       window_start[r], lanes[r] = first * bs, row.lane
     return RowInputs(positions, slots, table, window_positions, window_start, lanes)
 
-  def run(self, params, pool, store, rows: List[StreamedRow]):
+  def run(self, params, pool, store, rows: List[StreamedRow], topk: int = 0):
     """Feeds the rows; returns (pool, sampled tokens [len(rows)], logits [len(rows), V] as
-    numpy, host -> device bytes streamed). `store` is the offload store
+    numpy, host -> device bytes streamed, candidates). `store` is the offload store
     (host/scheduling/offload.OffloadStore). Rows are grouped by token bucket and cut into
-    batches of at most the largest row bucket."""
+    batches of at most the largest row bucket. topk K > 0 (beam rows among them): candidates
+    are each row's K best (ids, log-probs), [len(rows), K] each; else None."""
     def token_bucket(row):
       return next(t for t in self.token_buckets if t >= len(row.tokens))
 
     tokens, logits, streamed = [None] * len(rows), [None] * len(rows), 0
+    ids, logprobs = np.zeros((len(rows), topk), np.int32), np.zeros((len(rows), topk), np.float32)
     largest = self.row_buckets[-1]
     for bucket in sorted({token_bucket(r) for r in rows}):
       members = [i for i, r in enumerate(rows) if token_bucket(r) == bucket]
       for first in range(0, len(members), largest):
         part = members[first:first + largest]
-        pool, got, got_logits, nbytes = self._run_batch(params, pool, store,
-                                                        [rows[i] for i in part], bucket)
+        pool, got, got_logits, nbytes, cands = self._run_batch(
+            params, pool, store, [rows[i] for i in part], bucket, topk)
         streamed += nbytes
         for j, i in enumerate(part):
           tokens[i], logits[i] = int(got[j]), got_logits[j]
-    return pool, tokens, np.stack(logits), streamed
+          if topk:
+            ids[i], logprobs[i] = cands[0][j], cands[1][j]
+    return pool, tokens, np.stack(logits), streamed, (ids, logprobs) if topk else None
 
-  def _run_batch(self, params, pool, store, rows: List[StreamedRow], num_tokens: int):
+  def _run_batch(self, params, pool, store, rows: List[StreamedRow], num_tokens: int,
+                 topk: int = 0):
     """One batch of rows of at most num_tokens tokens through every layer (module docstring)."""
     cfg = self.cfg
     num_rows = next(b for b in self.row_buckets if b >= len(rows))
@@ -492,8 +506,10 @@ class StreamedAttention:
       values[:len(rows)] = [getattr(r, field) for r in rows]
       return values
 
-    token, logits = _finish(cfg, params, _last_tokens(x, index),
-                            per_row('temperature', np.float32),
-                            per_row('top_k', np.int32), per_row('top_p', np.float32, 1.0),
-                            per_row('seed', np.int32), per_row('counter', np.int32))
-    return pool, np.asarray(token)[:len(rows)], np.asarray(logits)[:len(rows)], streamed
+    token, logits, cands = _finish(cfg, topk, params, _last_tokens(x, index),
+                                   per_row('temperature', np.float32),
+                                   per_row('top_k', np.int32), per_row('top_p', np.float32, 1.0),
+                                   per_row('seed', np.int32), per_row('counter', np.int32))
+    cands = tuple(np.asarray(a)[:len(rows)] for a in cands)
+    return (pool, np.asarray(token)[:len(rows)], np.asarray(logits)[:len(rows)], streamed,
+            cands)

@@ -157,10 +157,12 @@ class RequestIntake:
     return params
 
   def _offloaded(self, prompt: List[int], params: SamplingParams) -> bool:
-    """Whether a checked request is served with offload: its blocks never fit the pool."""
+    """Whether a checked request is served with offload: its blocks never fit the pool (a
+    beam group's k times over, as `check` counts them)."""
     longest = min(len(prompt) + params.max_new_tokens, self.max_seq_len)
+    copies = max(params.beam_width, 1)
     return (self.offload is not None and
-            self.blocks.blocks_for(longest) > self.blocks.allocator.num_blocks - 1)
+            copies * self.blocks.blocks_for(longest) > self.blocks.allocator.num_blocks - 1)
 
   def checked(self, prompt, params, arrival_time, name: str = 'prompt') -> tuple:
     """(token ids, SamplingParams, arrival) of a request that passed every check."""

@@ -28,11 +28,16 @@ exactly as the device stores them; `placement` says which tier a block moving ou
 first. A sequence reserves, at admission, the host blocks it can come to need: its longest
 length's blocks beyond W, plus, for each parallel sample it will fork, the blocks of
 max_new_tokens and one (a fork shares the leader's host blocks; each block its window moves
-out after the fork is its own). Admission waits for room, so a running sequence never finds
-the store full. ("Host blocks" means the offloaded ones, whichever tier holds them.)
+out after the fork is its own). A beam group (one request id) holds one reservation for all
+its beams: the leader's own blocks plus, per other beam, the larger of a fork's and the
+leader's own (back from a recompute, beams share nothing), less the blocks its beams hold; a
+dropped beam's blocks that no other beam holds go back to it. Admission waits for room, so a
+running sequence never finds the store full. ("Host blocks" means the offloaded ones,
+whichever tier holds them.)
 
-Sharing. Forks share their leader's host blocks (ref counts) and device blocks (the block
-manager's copy-on-write). Prefix caching: hits at admission are used (those beyond W move out
+Sharing. Forks and beams share their parent's host blocks (ref counts) and device blocks (the
+block manager's copy-on-write). A beam group decodes together, each beam in up to W device
+blocks, so `refusal` asks beam_width * W to fit the pool. Prefix caching: hits at admission are used (those beyond W move out
 at the first step), and blocks that fill while a sequence has no host block yet are offered to
 the cache as usual; once a sequence has host blocks, its later blocks are not offered (both
 cache designs index a sequence's blocks from its first one, which is then in host RAM), and
@@ -67,6 +72,7 @@ class Offload:
     self.window, self.chunk_blocks = device_blocks, chunk_blocks
     self.instead_of_preempting, self.max_seq_len = instead_of_preempting, max_seq_len
     self._owed: Dict[int, int] = {}  # request id -> host blocks reserved, not yet taken
+    self._beams: Dict[int, int] = {}  # a beam group's request id -> its members holding it
     self.counters = collections.Counter()
 
   @classmethod
@@ -84,8 +90,13 @@ class Offload:
     return min(prompt_len + params.max_new_tokens, self.max_seq_len)
 
   def host_need(self, prompt_len: int, params: SamplingParams) -> int:
-    """Host blocks a request of this prompt length can come to hold, its forks included."""
+    """Host blocks a request of this prompt length can come to hold, its forks included. A
+    beam group's k beams hold at most the leader's own blocks plus, for each other beam, those
+    its window moves out after it forks, or, back from a recompute (when the beams share
+    nothing), k copies of their own."""
     own = max(0, math.ceil(self._longest(prompt_len, params) / self.block_size) - self.window)
+    if params.beam_width > 1:
+      return own + (params.beam_width - 1) * max(own, self._fork_need(params))
     return own + (params.n - 1) * self._fork_need(params)
 
   def _fork_need(self, params: SamplingParams) -> int:
@@ -93,13 +104,16 @@ class Offload:
 
   def refusal(self, prompt_len: int, params: SamplingParams) -> Optional[str]:
     """Why a request that can never fit the pool cannot be offloaded either, or None."""
-    if params.beam_width:
-      return (f'beam_width={params.beam_width}: beam search is not served with offload, and '
-              f'this request ({self._longest(prompt_len, params)} tokens) can never fit the '
-              'device pool')
+    pool = self.blocks.allocator.num_blocks - 1
+    if params.beam_width * self.window > pool:  # beams run together, each with its window
+      return (f'beam_width={params.beam_width}: a beam group decodes together, each beam '
+              f'holding up to offload.device_blocks={self.window} device blocks, but '
+              f'{params.beam_width} x {self.window} is more than the pool\'s {pool}: it can '
+              'never fit')
     need = self.host_need(prompt_len, params)
     if need > self.capacity:
-      samples = f' for n={params.n} samples' if params.n > 1 else ''
+      samples = (f' for beam_width={params.beam_width} beams' if params.beam_width > 1 else
+                 f' for n={params.n} samples' if params.n > 1 else '')
       room = (f'offload.host_blocks is {self.capacity}' if not self.disk_blocks else
               f'offload.host_blocks + offload.disk_blocks is {self.host_blocks} + '
               f'{self.disk_blocks} = {self.capacity} (host RAM and the disk tier)')
@@ -116,33 +130,55 @@ class Offload:
     return self.allocator.num_free - sum(self._owed.values())
 
   def _need_now(self, seq: Sequence) -> int:
+    if seq.beam is not None:  # the whole group's, whichever beams it has now
+      return self.host_need(len(seq.prompt_ids), seq.params)
     own = max(0, self.blocks.blocks_for(
         self._longest(len(seq.prompt_ids), seq.params)) - seq.window)
     return own + len(seq.forks) * self._fork_need(seq.params)
 
   def can_reserve(self, seq: Sequence) -> bool:
+    if seq.beam is not None and seq.request_id in self._beams:
+      return True  # its group holds the reservation already
     return self._need_now(seq) <= self.available
 
   def reserve(self, seq: Sequence) -> None:
-    """seq, admitted now, reserves the host blocks it (and its pending forks) can come to need."""
+    """seq, admitted now, reserves the host blocks it (and its pending forks) can come to need.
+    The beams of a group (one request id) share one reservation: the group's need less the
+    blocks its beams hold, kept so as beams fork, move blocks out and are dropped."""
+    if seq.beam is not None:
+      if seq.request_id not in self._beams:
+        self._owed[seq.request_id] = self._need_now(seq)
+      self._beams[seq.request_id] = self._beams.get(seq.request_id, 0) + 1
+      return
     self._owed[seq.request_id] = self._need_now(seq)
 
   def fork(self, parent: Sequence, child: Sequence) -> None:
-    """child (a parallel sample, just forked by the block manager) shares parent's host blocks
-    and takes its share of parent's reservation."""
+    """child (a parallel sample or a beam, just forked by the block manager) shares parent's
+    host blocks; a sample takes its share of parent's reservation, a beam shares its group's."""
     for b in parent.host_table:
       self.allocator.share(b)
     child.host_table, child.window = list(parent.host_table), parent.window
+    if parent.beam is not None:
+      self._beams[parent.request_id] += 1
+      return
     share = min(self._fork_need(parent.params), self._owed.get(parent.request_id, 0))
     self._owed[parent.request_id] = self._owed.get(parent.request_id, 0) - share
     self._owed[child.request_id] = share
 
   def release(self, seq: Sequence, plan=None) -> None:
-    """seq finished or was preempted: its host blocks and reservation go. With the plan of
-    this iteration, moves into blocks freed now are dropped (nothing will read them)."""
+    """seq finished or was preempted: its host blocks and reservation go (a beam's blocks
+    that no other beam holds go back to its group's reservation, which goes with the group's
+    last beam). With the plan of this iteration, moves into blocks freed now are dropped
+    (nothing will read them)."""
+    free_before = self.allocator.num_free
     self.allocator.free(seq.host_table)
     seq.host_table = []
-    self._owed.pop(seq.request_id, None)
+    if seq.beam is not None and self._beams.get(seq.request_id, 0) > 1:
+      self._beams[seq.request_id] -= 1
+      self._owed[seq.request_id] += self.allocator.num_free - free_before
+    else:
+      self._owed.pop(seq.request_id, None)
+      self._beams.pop(seq.request_id, None)
     if plan is not None and plan.offload_out:
       plan.offload_out = [(d, h) for d, h in plan.offload_out if self.allocator.ref_count(h)]
 

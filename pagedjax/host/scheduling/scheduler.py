@@ -178,6 +178,8 @@ class Scheduler:
     """A beam kept more than once (beam.py): child shares parent's blocks and runs beside it.
     Its batch row is one its group reserved at admission (Sequence.extra_rows)."""
     self.blocks.fork(parent, child)
+    if parent.window:
+      self.offload.fork(parent, child)
     child.status = Status.RUNNING
     _insert(self.running, child)
 
