@@ -250,6 +250,10 @@ class EngineReplica:
     self.capacity = engine.allocator.num_blocks - 1
     self.bus = ray.get_actor(bus_name, namespace=BUS_NAMESPACE)
     self.waiters: Dict[int, _Waiter] = {}
+    # requests whose chain keys came computed from the router (RoutedPrompt.route); on Ray
+    # Serve 2.60 none do in tests/test_serve.py (the route set in choose_replicas does not
+    # reach the replica), so the replica's engine hashes the prompt again
+    self.keys_handed = 0
     self._last_state, self._dirty = 0.0, False
     self._wake, self._stop = threading.Event(), threading.Event()
     self._publish(force=True)
@@ -337,7 +341,7 @@ class EngineReplica:
       with self.engine.lock:
         rid = self.engine.submit(request.prompt_ids, request.params)
         if request.route is not None:  # the chain keys the router computed: not hashed again
-          request.route.hand_keys(self.engine, rid)
+          self.keys_handed += request.route.hand_keys(self.engine, rid)
         self.waiters[rid] = waiter
     try:
       await asyncio.get_running_loop().run_in_executor(None, submit)
@@ -366,8 +370,9 @@ class EngineReplica:
         return
 
   def summary(self) -> dict:
-    """The engine's figures (Engine.summary) with this replica's id."""
-    return {**self.engine.summary(), 'replica': self.uid}
+    """The engine's figures (Engine.summary) with this replica's id and how many requests
+    came with their chain keys computed (`keys_handed`)."""
+    return {**self.engine.summary(), 'replica': self.uid, 'keys_handed': self.keys_handed}
 
   def __del__(self):
     self._stop.set()
