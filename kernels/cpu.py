@@ -34,7 +34,8 @@ leaves the AVX2 copy out (to test the baseline copy on an AVX2 machine).
 
 Build: compiled with the C++ compiler (`$CXX`, default g++) at first use into
 `~/.cache/pagedjax/kernels/` (`$PAGEDJAX_KERNEL_CACHE` overrides the directory), named by a hash
-of the sources, the flags, the compiler's version and jax/jaxlib's versions, written to a temporary
+of the sources, the flags, the compiler's version, jax/jaxlib's versions and the FFI headers'
+contents (a library built against one jaxlib is never loaded by another), written to a temporary
 file and renamed (two processes building at once both end with a whole library). Not a setuptools
 extension: the FFI headers come from the installed jaxlib (`jax.ffi.include_dir()`), which pip's
 isolated build environment for `pip install -e .` does not have, and the library must match the
@@ -84,17 +85,34 @@ def _compiler_version(cxx):
   return done.stdout.splitlines()[0] if done.stdout else ''
 
 
+def _ffi_headers_digest(include_dir):
+  """A hash of every file under jaxlib's FFI include directory (names and contents): the
+  headers the library is compiled against, so a jaxlib whose headers differ under the same
+  version string (a source or nightly build) still gets its own library."""
+  key = hashlib.sha256()
+  for root, dirs, files in os.walk(include_dir):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      key.update(os.path.relpath(path, include_dir).encode() + b'\0')
+      with open(path, 'rb') as f:
+        key.update(f.read())
+  return key.hexdigest()
+
+
 def library_path(cxx=None, stem='paged_attention_cpu', sources=SOURCES):
-  """The cached library's path for these sources, flags, compiler and jax/jaxlib versions (raises
-  OSError / CalledProcessError when the compiler does not run). stem and sources name the
-  library (the linear-layer kernel, kernels/linear_cpu.py, is built the same way)."""
+  """The cached library's path for these sources, flags, compiler, jax/jaxlib versions and FFI
+  headers (raises OSError / CalledProcessError when the compiler does not run): a library built
+  against one jaxlib is never loaded by another. stem and sources name the library (the
+  linear-layer kernel, kernels/linear_cpu.py, is built the same way)."""
   cxx = cxx or _compiler()
   key = hashlib.sha256()
   for name in sources:
     with open(os.path.join(_CSRC, name), 'rb') as f:
       key.update(f.read())
   import jaxlib  # pylint: disable=import-outside-toplevel
-  for part in (*CXXFLAGS, cxx, _compiler_version(cxx), jax.__version__, jaxlib.__version__):
+  for part in (*CXXFLAGS, cxx, _compiler_version(cxx), jax.__version__, jaxlib.__version__,
+               _ffi_headers_digest(jax.ffi.include_dir())):
     key.update(part.encode() + b'\0')
   return os.path.join(cache_dir(), f'{stem}-{key.hexdigest()[:16]}.so')
 

@@ -15,7 +15,8 @@ sum), so results differ from XLA's dots by float32 rounding (about 1e-6 relative
 depend on the thread count.
 
 Built like kernels/cpu.py's attention kernel (cpu.build: the C++ compiler at first use, cached
-under ~/.cache/pagedjax/kernels by a hash of sources, flags, compiler and jax versions); without
+under ~/.cache/pagedjax/kernels by a hash of sources, flags, compiler, jax versions and FFI
+headers); without
 a compiler `available()` is False and `linear_impl='auto'` stays on XLA's dots.
 
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,

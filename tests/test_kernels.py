@@ -33,6 +33,7 @@ import functools
 import importlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -705,17 +706,30 @@ def test_cpu_build_failures_name_the_compiler_and_its_error(tmp_path, monkeypatc
 
 
 def test_cpu_library_is_cached_by_sources_compiler_and_jax(tmp_path, monkeypatch):
-  """The library's name is a hash of the sources, flags, compiler and jax versions: another
-  compiler is another file; a built one is reused (not rebuilt)."""
+  """The library's name is a hash of the sources, flags, compiler, jax/jaxlib versions and the
+  FFI headers it compiles against: another compiler, jax, jaxlib, or a jaxlib whose headers
+  differ under the same version, is another file (never the library built for this one); a
+  built one is reused (not rebuilt)."""
   require_cpu_kernel()
+  import jaxlib  # pylint: disable=import-outside-toplevel
   from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
   path = cpu.library_path()
   assert os.path.exists(path) and path.startswith(cpu.cache_dir())
   mtime = os.path.getmtime(path)
   assert cpu.build() == path and os.path.getmtime(path) == mtime
   assert cpu.library_path(fake_compiler(tmp_path, 0)) != path
-  monkeypatch.setattr(cpu.jax, '__version__', '0.0.0')
+  headers = tmp_path / 'include'
+  shutil.copytree(cpu.jax.ffi.include_dir(), headers)
+  monkeypatch.setattr(cpu.jax.ffi, 'include_dir', lambda: str(headers))
+  assert cpu.library_path() == path  # the same headers elsewhere: the same library
+  ffi_h = headers / 'xla' / 'ffi' / 'api' / 'ffi.h'
+  ffi_h.write_text(ffi_h.read_text() + '\n// another build\n')
   assert cpu.library_path() != path
+  monkeypatch.undo()
+  for module in (cpu.jax, jaxlib):
+    with monkeypatch.context() as m:
+      m.setattr(module, '__version__', '0.0.0')
+      assert cpu.library_path() != path
 
 
 # ------------------------------------------------------------------------------------------------
