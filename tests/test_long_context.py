@@ -4,10 +4,11 @@
 A tiny random model with a 4-block pool of 8 tokens (32 tokens) serves prompts of 4x and 16x
 that pool: each long sequence keeps its newest 2 blocks on the device, older ones in host RAM,
 streamed through attention 8 blocks per call (the last chunk padded), while the engine serves
-ordinary requests in the same iterations. Everything must equal an engine whose pool holds it
-all: greedy and seeded sampled tokens identical, logits within float32 tolerance (atol 1e-4, as
-tests/test_paged_decode.py: only the order of the same float32 sums differs); partial states
-within 1e-5 of a float64 dense oracle.
+ordinary requests in the same iterations; with parallel samples and beams, and with pools that
+keep per-sequence lane state (KIVI key tails, recent-window rings). Everything must equal an
+engine whose pool holds it all: greedy and seeded sampled tokens and beams identical, logits
+and beam scores within float32 tolerance (atol 1e-4, as tests/test_paged_decode.py: only the
+order of the same float32 sums differs); partial states within 1e-5 of a float64 dense oracle.
 """
 import collections
 import dataclasses
@@ -19,13 +20,16 @@ import pytest
 
 from pagedjax.kernels import contract
 from pagedjax.config import ConfigError, OffloadConfig
+from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model import streamed_attention as sa
 from pagedjax.engine import Engine
 from pagedjax.host.requests.intake import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.scheduling.offload_store import OffloadStore
+from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
+from pagedjax.model import llama
 from tiny_models import engine_config, prompts, tiny
 
 ATOL_LOGITS = 1e-4
@@ -105,19 +109,24 @@ def test_4x_the_pool_with_parallel_samples_sharing_its_prefix(offloaded, referen
   assert offloaded.stats['streamed_tokens'] - streamed == 120 - 2 * BLOCK + 2 * 8 - 1
 
 
-def test_4x_the_pool_with_beams_sharing_its_prefix(offloaded, reference):
-  # 100 + 28 = 128 tokens = 4x the pool, beam_width=2: the beams fork from one streamed
-  # prefill sharing its host blocks, decode in one streamed batch, and move the blocks they
-  # share out of their windows each on its own (28 tokens cross 4 blocks).
-  prompt = prompts([100], seed=21)[0]
-  params = SamplingParams(max_new_tokens=28, beam_width=2)
-  want = _solo(reference, prompt, params)
+def test_4x_the_pool_with_beams_preempted_beside_another_long_request(offloaded, reference):
+  # 100 + 28 = 128 tokens = 4x the pool, beam_width=2, submitted after a 70-token greedy
+  # request (2.2x the pool). The beams fork from one streamed prefill sharing its host blocks,
+  # decode in streamed batches, and move the blocks they share out of their windows each on its
+  # own; the pool cannot hold both requests' windows, so the group is preempted (recomputed:
+  # its beams come back sharing nothing) while the older request runs on.
+  first, long_prompt = prompts([60], seed=22)[0], prompts([100], seed=21)[0]
+  params = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=28, beam_width=2)]
+  want = [_solo(reference, p, s) for p, s in zip((first, long_prompt), params)]
   before = dict(offloaded.stats)
-  got = _solo(offloaded, prompt, params)
-  assert [ids for ids, _ in got.beams] == [ids for ids, _ in want.beams]
-  np.testing.assert_allclose([score for _, score in got.beams],
-                             [score for _, score in want.beams], atol=ATOL_LOGITS, rtol=0)
-  assert got.beams[0][0] != got.beams[1][0]
+  ids = [offloaded.submit(p, s) for p, s in zip((first, long_prompt), params)]
+  offloaded.run()
+  plain, beams = (offloaded.finished[i] for i in ids)
+  _same(plain, want[0])
+  assert [ids for ids, _ in beams.beams] == [ids for ids, _ in want[1].beams]
+  np.testing.assert_allclose([score for _, score in beams.beams],
+                             [score for _, score in want[1].beams], atol=ATOL_LOGITS, rtol=0)
+  assert beams.beams[0][0] != beams.beams[1][0] and beams.num_preemptions >= 1
   assert offloaded.stats['forks'] > before.get('forks', 0)
   assert offloaded.offload.allocator.num_used == 0 and offloaded.offload.available == 70
 
@@ -200,7 +209,7 @@ def test_kivi_keys_and_a_recent_window_give_the_all_device_tokens():
   # The pools with per-sequence lane state: int4 with KIVI keys (a partial block's keys in a
   # bfloat16 tail per lane) and a recent window of 12 tokens (bfloat16 rings per lane, longer
   # than the window's newest full block, so some ring tokens are in host blocks). 120 + 8 =
-  # 128 tokens, 4x the pool. tests/test_offload_schemes.py checks each scheme at one layer.
+  # 128 tokens, 4x the pool.
   spec = KVQuantConfig('int4', 6, key_per_channel=True, recent_window=12)
   prompt, params = prompts([120], seed=5)[0], SamplingParams(max_new_tokens=8)
   # The reference feeds the prompt token by token (one compiled step): what a query reads does
@@ -274,8 +283,72 @@ def test_bad_offload_config_is_refused(changes, message):
     dataclasses.replace(config, offload=dataclasses.replace(OFFLOAD, **changes)).validate()
 
 
-@pytest.mark.parametrize('pool', [dict(kv_dtype='int4', kv_group_size=6, kv_key_per_channel=True),
-                                  dict(kv_dtype='int8', kv_recent_window=12)])
+def _stream_one_layer(cfg, lp, pool, x, start, count, host_blocks, window_blocks, chunk_blocks,
+                      lane):
+  """Layer 0's attention for one row of x [1, T, D] (count tokens at start.., the rest
+  padding) through the streamed path: its window's state, then its host blocks (physical
+  blocks of the same pool here) folded in chunks. -> (attention output [T, Hq, Dh], pool)."""
+  bs = pool.block_size
+  streamed = sa.StreamedAttention(cfg, bs, len(window_blocks), chunk_blocks, [x.shape[1]])
+  row = sa.StreamedRow([0] * count, start, host_blocks, window_blocks, 0.0, 0, 1.0, 0, 0, lane)
+  inputs = sa.RowInputs(*streamed.row_inputs([row], 1, x.shape[1]))
+  q, state, pool = sa._begin_layer(cfg, False, lp, np.int32(0), x, pool, inputs)
+  layer0 = {name: a[0] for name, a in pool.block_arrays().items()}
+  for ids, positions in sa.batch_chunks([host_blocks], 1, chunk_blocks, bs):
+    chunk = {name: a[ids] for name, a in layer0.items()}  # as the offload store holds them
+    state = sa._fold(pool.spec, state, q, inputs.positions, chunk, positions)
+  return sa.normalise(jax.tree_util.tree_map(lambda a: a[0], state), cfg.num_heads), pool
+
+
+def test_a_recent_window_over_host_blocks_reads_what_the_all_device_step_reads():
+  # One layer of an int8 pool with a recent window of 20 tokens, longer than the device
+  # window's newest full blocks: a sequence's history written by the all-device step's own
+  # path (pool.write_and_attend over its whole block table), then a prompt chunk and a decode
+  # read both ways. The streamed path's output is within 1e-5 of the all-device step's, and it
+  # leaves every block and ring as that step does, bit for bit. (The engine test above covers
+  # a recent window over KIVI keys; this covers one over a format read whole, int8.)
+  spec = KVQuantConfig('int8', recent_window=20)
+  cfg, params, _ = tiny('gqa')
+  lp = llama.per_layer_params(params)['params']['layer_0']
+  bs, lane, num_tokens = 8, 1, 16
+  table = list(range(1, 11))  # logical block i in physical block i + 1: 80 tokens
+  pool = pool_lib.init_pool(cfg.num_layers, 12, cfg.num_kv_heads, bs, cfg.head_dim,
+                            kv_quant=spec, max_sequences=2)
+  rng = np.random.default_rng(0)
+
+  def inputs(start, count):
+    return build_step_inputs([RowSpec([0] * count, start, table, lane=lane)], bs, [1],
+                             [num_tokens], [len(table)])
+
+  @jax.jit  # one program for every step here (all of one shape)
+  def all_device(pool, x, batch):
+    q, k, v = llama.layer_qkv(cfg, lp, x, batch.positions)
+    return pool_lib.write_and_attend(pool, 0, q, k, v, batch.positions, batch, 'reference')
+
+  x_of = lambda: rng.normal(size=(1, num_tokens, cfg.d_model)).astype(np.float32)
+  for start, count in ((0, 16), (16, 16), (32, 16), (48, 13)):  # the history, 61 tokens
+    pool = all_device(pool, x_of(), inputs(start, count))[1]
+  # A chunk of 11 (61..71: blocks 7 and 8 fill) with logical blocks 0..5 (0..47) on the
+  # host, the window 6..8; then a decode starting block 9, the window 7..9. A recent window
+  # of 20 reaches back to 42 (query 61) and 53 (query 72): into host blocks too.
+  for start, count, on_host in ((61, 11, 6), (72, 1, 7)):
+    x = x_of()
+    x[:, count:] = 0.0
+    want, want_pool = all_device(pool, x, inputs(start, count))
+    got, got_pool = _stream_one_layer(cfg, lp, pool, x, start, count, table[:on_host],
+                                      table[on_host:on_host + 3], 4, lane)
+    np.testing.assert_allclose(np.asarray(got)[:count], np.asarray(want)[0, :count],
+                               atol=1e-5, rtol=1e-5)
+    for name in ('k', 'v', 'k_scale', 'v_scale', 'recent_k', 'recent_v'):
+      # Block 0 (the null block) and lane 0 (the null lane) take padding: not compared.
+      a, b = (np.asarray(getattr(p, name))[:, 1:] for p in (got_pool, want_pool))
+      assert a.tobytes() == b.tobytes(), name
+    pool = want_pool
+
+
+@pytest.mark.parametrize('pool', [
+    dict(kv_dtype='int4', kv_group_size=6, kv_key_per_channel=True),
+    dict(kv_dtype='int8', kv_recent_window=12)])
 def test_pools_with_lane_state_are_offloaded(pool):
   # KIVI key tails and recent-window rings stay on the device with the window (their blocks
   # stream as stored): validation accepts offload with them.

@@ -391,8 +391,8 @@ class StreamedAttention:
   set of calls, padded to a row bucket (`row_buckets`, the engine's powers of two up to
   max_batch_size), so two long requests decoding together cost one call per layer and chunk,
   not two. Compiled shapes: 5 programs per (token bucket, row bucket) met and one per row
-  bucket, each counted (device/traces.py). `counters`: batches run (and of how many real rows), their padding
-  rows, and fold calls."""
+  bucket (and top-K bucket, with beams), each counted (device/traces.py). `counters`: batches
+  run (and of how many real rows), their padding rows, and fold calls."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
                chunk_blocks: int, token_buckets, row_buckets=(1,)):

@@ -37,13 +37,15 @@ whichever tier holds them.)
 
 Sharing. Forks and beams share their parent's host blocks (ref counts) and device blocks (the
 block manager's copy-on-write). A beam group decodes together, each beam in up to W device
-blocks, so `refusal` asks beam_width * W to fit the pool. Prefix caching: hits at admission are used (those beyond W move out
-at the first step), and blocks that fill while a sequence has no host block yet are offered to
-the cache as usual; once a sequence has host blocks, its later blocks are not offered (both
-cache designs index a sequence's blocks from its first one, which is then in host RAM), and
-host blocks themselves are never shared between requests.
+blocks, so `refusal` asks beam_width * W to fit the pool. Prefix caching: hits at admission
+are used (those beyond W move out at the first step), and blocks that fill while a sequence
+has no host block yet are offered to the cache as usual; once a sequence has host blocks, its
+later blocks are not offered (both cache designs index a sequence's blocks from its first one,
+which is then in host RAM), and host blocks themselves are never shared between requests.
 Preemption: an offloaded sequence is never swapped; recompute frees its host blocks and, back
-in the queue, it is offloaded again on readmission.
+in the queue, it is offloaded again on readmission (a beam group with all its beams).
+Lane state (KIVI key tails, recent-window rings; device/kv_schemes.py) stays in the sequence's
+lane on the device: only full blocks move out, and they hold their final codes.
 """
 import collections
 import math
