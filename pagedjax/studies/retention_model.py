@@ -12,9 +12,10 @@ A cache that evicts the smallest release tick + T first realizes it: every class
 by the same amount until the pool is full, so only the differences between holds matter.
 
 `bound` is the same knapsack scored on the releases it was fitted on, for any classing of them:
-an upper bound (up to the fluid approximation) on what a policy that decides by a release's
-class and age can get from the information the classes carry. Ticks count what the policy's
-clock counts: one per block released and one per turn's end.
+an upper estimate of what a policy that decides by a release's class and age can get from the
+information the classes carry (a relaxation: the fluid cache is full on average, a real one at
+every moment; docs/policy_lab.md compares the two). Ticks count what the policy's clock
+counts: one per block released and one per turn's end.
 """
 import math
 from typing import Callable, Dict, Sequence
@@ -109,30 +110,25 @@ def turns_classes(rel) -> np.ndarray:
 def fit_hold(rel, capacity_blocks: int, size: int = 64) -> tuple:
   """Retention.hold (ticks per turns class) for a cache of capacity_blocks, fitted on rel. A
   class with no release in rel gets the hold of the nearest class below it (or 0)."""
-  grid = hold_grid(rel['span'], size)
-  classes = turns_classes(rel)
-  tables = _tables(rel, classes, grid)
-  chosen, _ = _knapsack(tables, capacity_blocks * rel['span'])
+  holds = fit_holds(rel, capacity_blocks, turns_classes(rel), size)
   hold, last = [], 0.0
   for c in range(len(Retention.hold)):
-    if c in chosen:
-      gain = tables[c][0]
-      # held until every return the slice shows: never dropped for age (as LRU), like any
-      # other class held that long, however far the slice's last return happened to fall
-      i = chosen[c]
-      last = float(grid[-1] if i > 0 and gain[i] >= gain[-1] else grid[i])
+    last = holds.get(c, last)
     hold.append(last)
   return tuple(hold)
 
 
 def fit_holds(rel, capacity_blocks: int, classes: np.ndarray, size: int = 64) -> dict:
-  """Hold per class label (any classing of rel's releases; fit_hold's rules) for a cache of
-  capacity_blocks: what a Retention whose release_class gives these labels should hold."""
+  """Hold per class label (any classing of rel's releases) for a cache of capacity_blocks. If
+  the cache has room to hold every class until every return the slice shows, the holds of the
+  classes that return at all are all alike (LRU among them; the rest 0): how far the slice's
+  last returns happened to fall says nothing about later ones."""
   grid = hold_grid(rel['span'], size)
   tables = _tables(rel, np.asarray(classes), grid)
   chosen, _ = _knapsack(tables, capacity_blocks * rel['span'])
-  return {int(c): float(grid[-1] if i > 0 and tables[c][0][i] >= tables[c][0][-1] else grid[i])
-          for c, i in chosen.items()}
+  if all(tables[c][0][i] >= tables[c][0][-1] for c, i in chosen.items()):
+    return {int(c): float(grid[-1] if tables[c][0][-1] > 0 else 0.0) for c in chosen}
+  return {int(c): float(grid[i]) for c, i in chosen.items()}
 
 
 def bound(rel, capacity_blocks: int, classes: np.ndarray, size: int = 64) -> float:
