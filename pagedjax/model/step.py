@@ -18,12 +18,13 @@ layer as a slice of the stacked weight arrays, and XLA:CPU materialises that sli
 decode step copies the whole model's weights (~370 MB for SmolLM2-135M in float32) to do a
 few rows of matmul with them. Unrolled, the params are split per layer once (views of the same
 buffers on CPU, no copy) and each layer's dots read its weights in place. The copy is a fixed
-cost per call, so it matters where a call does little work per weight: decode, from a batch of
-AUTO_UNROLLED_MIN_ROWS rows up ('auto'; the engine's default decode_min_rows makes that every
-decode call), on one CPU device. Prefill chunks share the copy over many tokens and keep the
-scan; so do smaller decode calls, whose copy can overlap their memory-bound dots on a spare core,
-since the unrolled program compiles several times more slowly. Each input shape compiles exactly once, in one of the two programs, and both give the
-same logits bit for bit. Measured step times for both programs: docs/decode_speed.md.
+cost per call, so it matters where a call does little work per weight: every decode call
+('auto', from AUTO_UNROLLED_MIN_ROWS rows), on one CPU device. Even at one row, where the copy
+might overlap the memory-bound dots on a spare core, it does not: the 1-row step is slower under
+the scan (docs/decode_speed.md). Prefill chunks share the copy over many tokens and keep the
+scan, which compiles several times faster. Each input shape compiles exactly once, in one of
+the two programs, and both give the same logits bit for bit. Measured step times for both
+programs: docs/decode_speed.md.
 """
 from typing import Optional
 
@@ -39,7 +40,7 @@ from pagedjax.device.sampling import sample
 
 
 DECODE_LAYERS = ('auto', 'scan', 'unrolled')  # CompiledStep(decode_layers=...)
-AUTO_UNROLLED_MIN_ROWS = 8  # 'auto': decode calls of this many rows and more run unrolled
+AUTO_UNROLLED_MIN_ROWS = 1  # 'auto': decode calls of this many rows and more run unrolled
 
 
 def unrolled_min_rows(decode_layers: str, mesh: Optional[Mesh]) -> Optional[int]:
