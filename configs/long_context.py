@@ -49,6 +49,7 @@ def get_config(arg=None):
       points=((16, 8), (8, 8), (4, 8), (2, 8), (16, 2), (16, 32)),
       # Ordinary requests timed alone and beside the long one (offloaded with this window):
       beside_requests=2, beside_window=8, beside_prompt_tokens=32, beside_new_tokens=32,
+      beside_decode_every=(2, 4, 8),  # again with the long one on 1 iteration in k
       recompute_tokens=3,
       # Points run again with every offloaded block on the disk tier (offload.placement='disk')
       # in disk_kvstore ('' = WORKDIR/offload_disk, removed after).
@@ -71,7 +72,7 @@ def get_config(arg=None):
     config.long_context.prefill_chunk = 32
     config.long_context.points = ((2, 2),)  # half the pool's window: one set of programs
     config.long_context.update(dict(beside_window=2, beside_prompt_tokens=8,
-                                    beside_new_tokens=4))
+                                    beside_new_tokens=4, beside_decode_every=(2,)))
     config.long_context.recompute_tokens = 2
     config.long_context.repeats = 1
     config.long_context.disk_points = ((2, 2),)

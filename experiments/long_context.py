@@ -18,7 +18,9 @@ One greedy request whose context (prompt + new tokens) is `context_multiple` x t
                alive at a time), its logits at the last position only
 and more figures:
   beside       `beside_requests` ordinary requests alone, then beside the long one (offloaded with
-               a window of `beside_window` blocks) in the same engine: their TPOT both ways
+               a window of `beside_window` blocks) in the same engine: their TPOT both ways,
+               and again for each `beside_decode_every` (config.offload.decode_every: the long
+               one decodes on one iteration in k while they run), with the long one's TPOT
   pair         in that engine, the long request's decode steps alone and with a second long
                request decoding at the same time (their rows batched in one streamed call)
   cost model   host/tiers/tier_cost.py's TierCosts, measured on a streamed engine
@@ -172,6 +174,11 @@ def check(config):
     raise ConfigError(
         f'config.long_context.beside_window={lc.beside_window} is not allowed: at most '
         f'{pool_blocks // 2}, half the pool (the pair runs two long requests, a window each)')
+  every = lc.beside_decode_every
+  if not isinstance(every, tuple) or not all(
+      isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in every):
+    raise ConfigError(f'config.long_context.beside_decode_every={every!r} is not allowed: a '
+                      'tuple of integers >= 1 (config.offload.decode_every values)')
   for name in lc.project_hardware:
     try:
       sim_hardware.get_hardware(name)
@@ -402,7 +409,7 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
     until_first_token(long_id)
     out = tpot_ms(engine.generate(ordinary, short)) if ordinary else []
     engine.run()
-    return out, engine.finished[long_id].output_ids
+    return out, engine.finished[long_id].output_ids, tpot_ms([engine.finished[long_id]])[0]
 
   def decode_steps(prompts):
     """Wall ms of each iteration in which every one of these long requests decodes."""
@@ -421,7 +428,17 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
   decode_steps([ids, second_ids])  # and those of two long rows in one streamed batch
   compiled = engine.num_compilations
   alone = tpot_ms(engine.generate(ordinary, short)) if ordinary else []
-  beside_long, long_tokens = together()
+  beside_long, long_tokens, _ = together()
+  spread = []  # offload.decode_every: the long request decodes on one iteration in k
+  for every in lc.beside_decode_every:
+    engine.offload.decode_every = every
+    tpots, tokens, long_tpot = together()
+    spread.append({'decode_every': every, 'tpot_ms_median': float(np.median(tpots)) if tpots
+                   else None,
+                   'tpot_rise': (float(np.median(tpots) / np.median(alone) - 1) if alone
+                                 else None),
+                   'long_tpot_ms': long_tpot, 'long_tokens_identical': tokens == long_tokens})
+  engine.offload.decode_every = 1
   one, _ = decode_steps([ids])
   two, pair_tokens = decode_steps([ids, second_ids])
   side = {'requests': lc.beside_requests, 'window_blocks': lc.beside_window,
@@ -431,7 +448,7 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
           'tpot_ms_beside_long_median': float(np.median(beside_long)) if alone else None,
           'tpot_rise': (float(np.median(beside_long) / np.median(alone) - 1) if alone
                         else None),
-          'long_tokens': long_tokens}
+          'long_tokens': long_tokens, 'decode_every': spread}
   pair = {'window_blocks': lc.beside_window, 'step_ms_one_long': one,
           'step_ms_two_long': two, 'step_ms_one_long_best': min(one),
           'step_ms_two_long_best': min(two),
@@ -695,6 +712,10 @@ def goals(rows: list, side: dict, pair: dict, reference: dict, slow: dict, pool_
       'ordinary_tpot_rise': side['tpot_rise'],
       'ordinary_tpot_within_25pct': (bool(side['tpot_rise'] <= 0.25)
                                      if side['tpot_rise'] is not None else None),
+      # the smallest offload.decode_every that keeps the ordinary requests within +25%
+      'decode_every_within_25pct': next((p['decode_every'] for p in side['decode_every']
+                                         if p['tpot_rise'] is not None and
+                                         p['tpot_rise'] <= 0.25), None),
       'all_device_ms_per_token_best': reference['decode_ms_per_token_best']}
 
 
@@ -746,11 +767,17 @@ def study(config, workdir: str) -> dict:
     if made_disk_dir:
       shutil.rmtree(disk_dir, ignore_errors=True)
   side, pair = beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids, lc)
-  side['long_tokens_match'] = side.pop('long_tokens') == reference['tokens']
+  side['long_tokens_match'] = (side.pop('long_tokens') == reference['tokens'] and
+                               all(p['long_tokens_identical'] for p in side['decode_every']))
   pair['long_tokens_match'] = pair.pop('long_tokens') == reference['tokens']
   if side['tpot_ms_alone']:
     print(f"ordinary requests' TPOT: {side['tpot_ms_alone_median']:.2f} ms alone, "
           f"{side['tpot_ms_beside_long_median']:.2f} ms beside the long one", flush=True)
+  for point in side['decode_every']:
+    if point['tpot_rise'] is not None:
+      print(f"offload.decode_every={point['decode_every']}: ordinary TPOT "
+            f"{100 * point['tpot_rise']:+.0f}% beside the long one, whose TPOT is "
+            f"{point['long_tpot_ms']:.1f} ms", flush=True)
   print(f"long request decode step: {pair['step_ms_one_long_best']:.1f} ms alone, "
         f"{pair['step_ms_two_long_best']:.1f} ms with a second one (fastest steps)", flush=True)
   slow = recompute(model_cfg, params, ids, lc.recompute_tokens, context)

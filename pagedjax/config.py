@@ -343,10 +343,14 @@ class OffloadConfig:
   # Where a block leaving a window goes first, 'host' or 'disk' (the other tier when it is
   # full): a request may hold up to host_blocks + disk_blocks beyond its window.
   placement: str = 'host'
+  # An offloaded sequence decodes on one iteration in decode_every while other sequences run
+  # (1 = every iteration): its streamed call's time is spread over that many of its neighbours'
+  # steps, at the price of its own tokens. Alone, it decodes every iteration.
+  decode_every: int = 1
 
   def validate(self, pool: PoolConfig, tiers: TiersConfig):
     for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1),
-                        ('disk_blocks', 0)):
+                        ('disk_blocks', 0), ('decode_every', 1)):
       value = getattr(self, name)
       if not _is_int(value) or value < least:
         _fail(f'offload.{name}', value, f'an integer >= {least}')

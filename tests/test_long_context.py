@@ -95,6 +95,39 @@ def test_16x_the_pool_beside_an_ordinary_sampled_request(offloaded, reference):
   assert offloaded.offload.allocator.num_used == 0 and offloaded.offload.available == 70
 
 
+def test_decode_every_spreads_the_streamed_rows_over_the_neighbours_steps(offloaded, reference):
+  # offload.decode_every=3: while the short request runs, the long one streams on one iteration
+  # in three; alone, on every one. Tokens and logits are the all-device engine's.
+  long_prompt, short_prompt = prompts([100, 4], seed=8)
+  long_params, short_params = SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=9)
+  want = [_solo(reference, long_prompt, long_params), _solo(reference, short_prompt,
+                                                            short_params)]
+  offloaded.offload.decode_every = 3
+  try:
+    ids = [offloaded.submit(long_prompt, long_params)]
+    while offloaded.stats['streamed_steps'] == 0 or not any(
+        s.output_ids for s in offloaded.running):
+      offloaded.step()  # the long request to its first token
+    ids.append(offloaded.submit(short_prompt, short_params))
+    steps = []  # per iteration: (its number, the long one streamed, a batched step ran)
+    while offloaded.has_work():
+      before = dict(offloaded.stats)
+      offloaded.step()
+      ran = {k: offloaded.stats[k] - before.get(k, 0) for k in
+             ('streamed_steps', 'decode_steps', 'prefill_steps')}
+      steps.append((offloaded.scheduler.iterations, ran['streamed_steps'] > 0,
+                    ran['decode_steps'] + ran['prefill_steps'] > 0))
+  finally:
+    offloaded.offload.decode_every = 1
+  for i, w in zip(ids, want):
+    _same(offloaded.finished[i], w)
+  # Beside the short request's 9 iterations (its prompt, then 8 decodes) the long one streams
+  # on those numbered 0 mod 3 only; alone, on every iteration.
+  assert sum(batched for _, _, batched in steps) == 9
+  assert all(streamed == (not batched or n % 3 == 0) for n, streamed, batched in steps)
+  assert sum(streamed for _, streamed, _ in steps) == len(offloaded.finished[ids[0]].output_ids) - 1
+
+
 def test_4x_the_pool_with_parallel_samples_sharing_its_prefix(offloaded, reference):
   # 120 + 8 = 128 tokens = 4x the pool; n=2 top-p samples fork from one offloaded prefill.
   prompt = prompts([120], seed=5)[0]

@@ -101,6 +101,9 @@ def test_tiny_pipeline(name, tmp_path):
     assert [(r['placement'], r['window_blocks'], r['chunk_blocks']) for r in rows] == [
         ('host', *p) for p in config.long_context.points] + [
         ('disk', *p) for p in config.long_context.disk_points]
+    spread = summary['beside']['decode_every']  # the long one on 1 iteration in k, beside
+    assert [p['decode_every'] for p in spread] == list(config.long_context.beside_decode_every)
+    assert all(p['long_tokens_identical'] and p['long_tpot_ms'] > 0 for p in spread)
     assert {'long_context.png', 'beside.png', 'break_even.png', 'projection.csv'} <= set(
         os.listdir(tmp_path))
   else:  # the simulated studies: every row and title marked simulated

@@ -49,7 +49,7 @@ lane on the device: only full blocks move out, and they hold their final codes.
 """
 import collections
 import math
-from typing import Dict, Optional, Sequence as Seq
+from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -64,7 +64,8 @@ class Offload:
 
   def __init__(self, block_array_shapes, blocks, *, host_blocks: int, device_blocks: int,
                chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int,
-               disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host'):
+               disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host',
+               decode_every: int = 1):
     self.store = OffloadStore(block_array_shapes, host_blocks, disk_blocks, disk_kvstore,
                               placement)
     self.allocator = self.store.allocator  # offload block ids (both tiers) and ref counts
@@ -73,6 +74,8 @@ class Offload:
     self.capacity = host_blocks + disk_blocks
     self.window, self.chunk_blocks = device_blocks, chunk_blocks
     self.instead_of_preempting, self.max_seq_len = instead_of_preempting, max_seq_len
+    # config.offload.decode_every; a caller may change it between iterations (resting)
+    self.decode_every = decode_every
     self._owed: Dict[int, int] = {}  # request id -> host blocks reserved, not yet taken
     self._beams: Dict[int, int] = {}  # a beam group's request id -> its members holding it
     self.counters = collections.Counter()
@@ -84,7 +87,16 @@ class Offload:
                device_blocks=off.device_blocks, chunk_blocks=off.chunk_blocks,
                instead_of_preempting=off.instead_of_preempting, max_seq_len=max_seq_len,
                disk_blocks=off.disk_blocks, disk_kvstore=off.disk_kvstore,
-               placement=off.placement)
+               placement=off.placement, decode_every=off.decode_every)
+
+  def resting(self, running: List[Sequence], iteration: int) -> List[Sequence]:
+    """The offloaded sequences that sit this iteration out (`decode_every`): every one that
+    streams, on all iterations but one in decode_every, so that they stream together in one
+    call (beams and forks in step); none while nothing else runs."""
+    if self.decode_every == 1 or iteration % self.decode_every == 0:
+      return []
+    streaming = [s for s in running if s.host_table]
+    return streaming if len(streaming) < len(running) else []
 
   # ---- what a request needs --------------------------------------------------------------
 
