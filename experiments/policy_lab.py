@@ -356,7 +356,7 @@ def replay(row: str, records, capacity_tokens: float, params: dict, design: str)
 # cache when Retention is given that optimum's holds and told each request's class. Both use the
 # trace they are scored on (hindsight): what the information is worth at best, not a policy.
 BOUND_COLUMNS = ('classing', 'capacity_tokens', 'classes', 'fluid_hit_rate', 'cache_hit_rate',
-                 'cache_gap_closed', 'host_s')
+                 'cache_gap_closed', 'held_out_hit_rate', 'held_out_lru_hit_rate', 'host_s')
 
 
 class HindsightRetention(policies.Retention):
@@ -372,33 +372,50 @@ class HindsightRetention(policies.Retention):
     return (major + self.table.get(self.labels.get(self.clock()), 0.0), tick)
 
 
+def _hindsight_replay(records, rel, table, classes, blocks: int, design: str) -> float:
+  """Hit rate of records through the cache, Retention told each request's class."""
+  labels = dict(zip(rel['request'].astype(int).tolist(), classes.tolist()))
+  served = []  # the replay, once made: the queue's clock is its position
+  run = Replay(blocks, HindsightRetention(table, labels, lambda: served[0].position), True,
+               design)
+  served.append(run)
+  run.serve(records)
+  return run.cache.hit_blocks * BLOCK / sum(r.input_length for r in records)
+
+
 def bound_study(config, records, curves: list) -> list:
+  """Per lab.bound capacity and classing: the fluid optimum over records and the real cache's
+  hit rate with its holds (both fitted on records), its gap closed against the curves' LRU; and
+  held out: the holds fitted on the first half, the cache on the second (with LRU's there)."""
   lab, rel = config.lab, retention_model.releases(records)
+  half = len(records) // 2
+  first, second = retention_model.releases(records[:half]), records[half:]
+  second_rel = retention_model.releases(second)
   by = {(c['row'], c['capacity_tokens']): c['hit_rate'] for c in curves}
-  prompt = sum(r.input_length for r in records)
   points = []
   for cap in lab.bound.capacities:
     blocks = max(2, int(cap // BLOCK))
+    lru_second = replay(REFERENCE, second, cap, {}, lab.design)['hit_rate']
     for name in lab.bound.classings:
+      start = time.perf_counter()
       classes = retention_model.CLASSINGS[name](rel)
       table = retention_model.fit_holds(rel, blocks, classes)
-      labels = dict(zip(rel['request'].astype(int).tolist(), classes.tolist()))
-      served = []  # the replay, once made: the queue's clock is its position
-      run = Replay(blocks, HindsightRetention(table, labels, lambda: served[0].position), True,
-                   lab.design)
-      served.append(run)
-      start = time.perf_counter()
-      run.serve(records)
-      hit = run.cache.hit_blocks * BLOCK / prompt
+      hit = _hindsight_replay(records, rel, table, classes, blocks, lab.design)
+      held_out = _hindsight_replay(
+          second, second_rel, retention_model.fit_holds(
+              first, blocks, retention_model.CLASSINGS[name](first)),
+          retention_model.CLASSINGS[name](second_rel), blocks, lab.design)
       lru, best = by.get((REFERENCE, cap)), by.get((OPTIMUM, cap))
       points.append({'classing': name, 'capacity_tokens': cap, 'classes': len(table),
                      'fluid_hit_rate': retention_model.bound(rel, blocks, classes),
                      'cache_hit_rate': hit,
                      'cache_gap_closed': (hit - lru) / (best - lru)
                                          if lru is not None and best - lru > 1e-12 else None,
+                     'held_out_hit_rate': held_out, 'held_out_lru_hit_rate': lru_second,
                      'host_s': time.perf_counter() - start})
       cli.say(f"bound {name} at {cap:.0e}: fluid {points[-1]['fluid_hit_rate']:.4f}, "
-              f"cache {hit:.4f} ({len(table)} classes)")
+              f"cache {hit:.4f} ({len(table)} classes); held out {held_out:.4f} "
+              f"(LRU {lru_second:.4f})")
   return points
 
 
