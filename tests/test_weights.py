@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -413,3 +415,32 @@ def test_unwritable_cache_costs_a_warning_not_the_run(tiny_source, tmp_path, cap
   assert len(warnings) == 1 and 'could not write' in warnings[0], warnings
   assert cfg == fresh_cfg
   _assert_same(params, fresh)
+
+
+def test_processes_loading_one_entry_at_once_convert_it_once(tiny_source, tmp_path, monkeypatch):
+  # Two loaders (threads here: each opens the lock file itself, as a process would) start at
+  # once on an empty cache; the first converts while holding ENTRY.lock, the second waits and
+  # restores what it wrote.
+  path, fresh_cfg, fresh = tiny_source
+  cache, convert, calls = str(tmp_path / 'cache'), weights._convert, []
+  barrier = threading.Barrier(2)
+
+  def slow_convert(*args):
+    calls.append(args)
+    time.sleep(0.3)  # the other loader reaches the lock meanwhile
+    return convert(*args)
+  monkeypatch.setattr(weights, '_convert', slow_convert)
+
+  def load(out):
+    barrier.wait()
+    out.append(weights.load_model('gguf', path, cache))
+  results = []
+  loaders = [threading.Thread(target=load, args=(results,)) for _ in range(2)]
+  for t in loaders:
+    t.start()
+  for t in loaders:
+    t.join()
+  assert len(calls) == 1 and len(results) == 2
+  for cfg, params in results:
+    assert cfg == fresh_cfg
+    _assert_same(params, fresh)

@@ -16,7 +16,9 @@ pagedjax/tiering.py); a tree load_model restored from or wrote to a cache entry 
 entry's checksums instead of hashing the arrays again.
 """
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -608,25 +610,47 @@ def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str]
     return cfg, jax.device_put(params)
   fingerprint = source_fingerprint(source, path)
   entry = os.path.join(os.path.abspath(cache_dir), f'{source}-{_entry_key(fingerprint)}')
-  invalid = False
-  if os.path.lexists(entry):
+  with _converting(entry):  # processes loading the same entry at once: one converts
+    invalid = False
+    if os.path.lexists(entry):
+      try:
+        cfg, params, digest = _restore_verified(entry, fingerprint)
+        return cfg, remember_digest(jax.device_put(params), digest)
+      except CacheEntryInvalid as e:
+        logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
+                        entry, e, path)
+        invalid = True
+    cfg, params = _convert(source, path)
+    digest = None
     try:
-      cfg, params, digest = _restore_verified(entry, fingerprint)
-      return cfg, remember_digest(jax.device_put(params), digest)
-    except CacheEntryInvalid as e:
-      logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
-                      entry, e, path)
-      invalid = True
-  cfg, params = _convert(source, path)
-  digest = None
-  try:
-    digest = save_cached(entry, cfg, params, fingerprint, replace=invalid)
-  except Exception as e:  # pylint: disable=broad-except
-    # The conversion is done and in memory: a full disk or read-only cache must not lose it.
-    logging.warning('could not write weights cache entry %s (%s); continuing uncached',
-                    entry, _one_line(e))
+      digest = save_cached(entry, cfg, params, fingerprint, replace=invalid)
+    except Exception as e:  # pylint: disable=broad-except
+      # The conversion is done and in memory: a full disk or read-only cache must not lose it.
+      logging.warning('could not write weights cache entry %s (%s); continuing uncached',
+                      entry, _one_line(e))
   params = jax.device_put(params)
   return cfg, params if digest is None else remember_digest(params, digest)
+
+
+@contextlib.contextmanager
+def _converting(entry: str):
+  """An exclusive lock on `entry` (ENTRY.lock, beside it) while a process checks, converts and
+  writes it, so processes that start at once (test workers, a sweep's subprocesses) convert
+  the source once and the others restore what it wrote. Where the lock cannot be made (a
+  read-only cache directory), no lock: each process converts, as it would have."""
+  try:
+    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    fd = os.open(entry + '.lock', os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError:
+    fd = None
+  if fd is None:
+    yield
+    return
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
 
 
 # ---------------------------------------------------------------------------------------------
