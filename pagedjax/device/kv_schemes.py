@@ -176,13 +176,14 @@ class KVScheme(abc.ABC):
     return sum(_nbytes(shapes[name]) for name in self.lane_fields)
 
 
-def _flat(blocks):
-  """[B, MB, H, bs, D] -> [B, MB * bs, H, D]: a row's slots in position order."""
+def flat_slots(blocks):
+  """[B, MB, H, bs, D] -> [B, MB * bs, H, D]: a row's slots in position order (also the
+  streamed path's window, model/streamed_attention.py)."""
   b, mb, h, bs, d = blocks.shape
   return jnp.swapaxes(blocks, 2, 3).reshape(b, mb * bs, h, d)
 
 
-def _scatter_positions(flat, positions, values):
+def scatter_slots(flat, positions, values):
   """flat [B, S, H, D] with values [B, n, H, D] at positions [B, n] (>= S: dropped)."""
   rows = jnp.arange(flat.shape[0])[:, None]
   return flat.at[rows, positions].set(values.astype(flat.dtype), mode='drop')
@@ -468,12 +469,12 @@ class Int4KiviKeys(Int4Groups):
     assembled = self._assemble(pool, layer, k, batch)
     pool = self._write_values(pool, layer, v, batch)
     pool = self._store_keys(pool, layer, batch, *assembled)
-    k_lo, v_lo = (_flat(x) for x in self.read_blocks(pool, layer, batch.block_tables))
+    k_lo, v_lo = (flat_slots(x) for x in self.read_blocks(pool, layer, batch.block_tables))
     keys, _, _, logical, physical = assembled
     pos = logical[:, :, None] * pool.block_size + jnp.arange(pool.block_size)  # [B, span, bs]
     pos = jnp.where((physical != NULL_BLOCK)[:, :, None], pos, k_lo.shape[1])  # else dropped
-    k_hi = _scatter_positions(k_lo, pos.reshape(pos.shape[0], -1),
-                              _flat(keys).astype(jnp.float32))
+    k_hi = scatter_slots(k_lo, pos.reshape(pos.shape[0], -1),
+                              flat_slots(keys).astype(jnp.float32))
     return pool, (k_lo, v_lo, k_hi, v_lo)
 
   def recent_masks(self, positions, num_slots, block_size):
@@ -563,14 +564,14 @@ class RecentWindow(KVScheme):
       pool, (k_lo, v_lo, k_hi, v_hi) = self.inner.write_view(pool, layer, k, v, batch)
     else:
       pool = self.inner.write(pool, layer, k, v, batch)
-      k_lo, v_lo = (_flat(x) for x in self.inner.read_blocks(pool, layer, batch.block_tables))
+      k_lo, v_lo = (flat_slots(x) for x in self.inner.read_blocks(pool, layer, batch.block_tables))
       k_hi, v_hi = k_lo, v_lo
     num_slots = k_lo.shape[1]
     ring_at = jnp.where(ring_pos >= 0, ring_pos, num_slots)  # dropped
     new_at = jnp.where(pos >= 0, pos, num_slots)
     unquantized = lambda x: x.astype(self.RING_DTYPE).astype(jnp.float32)
-    k_hi = _scatter_positions(_scatter_positions(k_hi, ring_at, rings[0]), new_at, unquantized(k))
-    v_hi = _scatter_positions(_scatter_positions(v_hi, ring_at, rings[1]), new_at, unquantized(v))
+    k_hi = scatter_slots(scatter_slots(k_hi, ring_at, rings[0]), new_at, unquantized(k))
+    v_hi = scatter_slots(scatter_slots(v_hi, ring_at, rings[1]), new_at, unquantized(v))
     return pool, (k_lo, v_lo, k_hi, v_hi)
 
   def recent_masks(self, positions, num_slots, block_size):

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.kernels import contract
+from pagedjax.device.kv_schemes import flat_slots, scatter_slots
 from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
 from pagedjax.device.sampling import sample
@@ -217,18 +218,6 @@ _partial_states = jax.vmap(partial_state)  # one state per row: [B, Hkv, R(, Dh)
 _view_states = jax.vmap(view_state)
 
 
-def _flat(blocks):
-  """[B, W, H, bs, D] -> [B, W * bs, H, D]: a row's window slots in position order."""
-  b, w, h, bs, d = blocks.shape
-  return jnp.swapaxes(blocks, 2, 3).reshape(b, w * bs, h, d)
-
-
-def _scatter(flat, at, values):
-  """flat [B, S, H, D] with values [B, n, H, D] at slots at [B, n] (>= S: dropped)."""
-  rows = jnp.arange(flat.shape[0])[:, None]
-  return flat.at[rows, at].set(values.astype(flat.dtype), mode='drop')
-
-
 def _window_state(pool, layer, q, k, v, rows: RowInputs):
   """Writes the rows' new K/V into the pool in its scheme; returns (pool, each row's state
   over what it reads from the device: its window, and with a recent window the ring tokens
@@ -281,14 +270,14 @@ def _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window, windo
     pool, (k_lo, v_lo, k_hi, v_hi) = inner.write_view(pool, layer, k, v, in_window)
   else:
     pool = inner.write(pool, layer, k, v, in_window)
-    k_lo, v_lo = (_flat(x) for x in inner.read_blocks(pool, layer, in_window.block_tables))
+    k_lo, v_lo = (flat_slots(x) for x in inner.read_blocks(pool, layer, in_window.block_tables))
     k_hi, v_hi = k_lo, v_lo
   num_slots, start = k_lo.shape[1], window_start[:, None]
   ring_at = jnp.where(ring_pos >= start, ring_pos - start, num_slots)  # older ones: dropped
   new_at = jnp.where(pos >= 0, pos - start, num_slots)
   unquantized = lambda x: x.astype(scheme.RING_DTYPE).astype(jnp.float32)
-  k_hi = _scatter(_scatter(k_hi, ring_at, rings[0]), new_at, unquantized(k))
-  v_hi = _scatter(_scatter(v_hi, ring_at, rings[1]), new_at, unquantized(v))
+  k_hi = scatter_slots(scatter_slots(k_hi, ring_at, rings[0]), new_at, unquantized(k))
+  v_hi = scatter_slots(scatter_slots(v_hi, ring_at, rings[1]), new_at, unquantized(v))
   before = jnp.where((ring_pos >= 0) & (ring_pos < start), ring_pos, -1)  # [B, n]
   # The ring as one block of n slots per row, seen by the queries it is among the newest n of.
   as_block = lambda ring: jnp.swapaxes(ring, 1, 2)[:, None]  # [B, 1, H, n, D]
