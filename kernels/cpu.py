@@ -218,3 +218,22 @@ def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positi
   out = call(q.astype(jnp.float32), k_blocks, v_blocks, k_scales, v_scales, block_tables,
              context_lens, q_positions, layer, scale=np.float32(scale), splits=np.int64(splits))
   return out.astype(q.dtype)
+
+
+def main():
+  """`python -m pagedjax.kernels.cpu`: builds both native CPU libraries into the cache now
+  (attention here, the linear layers' kernels/linear_cpu.py), as their first use would; prints
+  each library's path, or why it cannot be built (exit 1)."""
+  from pagedjax.kernels import linear_cpu  # pylint: disable=import-outside-toplevel
+  failed = False
+  for stem, sources in (('paged_attention_cpu', SOURCES), ('linear_cpu', linear_cpu.SOURCES)):
+    try:
+      print(f'{stem}: {build(stem=stem, sources=sources)}')
+    except RuntimeError as e:
+      print(f'{stem}: not built: {e}')
+      failed = True
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  raise SystemExit(main())

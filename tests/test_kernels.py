@@ -705,6 +705,22 @@ def test_cpu_build_failures_name_the_compiler_and_its_error(tmp_path, monkeypatc
   assert not os.listdir(tmp_path / 'cache')
 
 
+def test_build_command_builds_both_libraries_or_names_why_not(tmp_path, monkeypatch, capsys):
+  """`python -m pagedjax.kernels.cpu` (.ci/run's install step) prints each library's path,
+  the ones the kernels then load; with a failing compiler it names the error and exits 1."""
+  from pagedjax.kernels import cpu, linear_cpu  # pylint: disable=import-outside-toplevel
+  assert cpu.main() == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.split(': ')[0] for line in lines] == ['paged_attention_cpu', 'linear_cpu']
+  paths = [line.split(': ', 1)[1] for line in lines]
+  assert paths == [cpu.build(), cpu.build(stem='linear_cpu', sources=linear_cpu.SOURCES)]
+  assert all(os.path.exists(p) for p in paths)
+  monkeypatch.setenv('PAGEDJAX_KERNEL_CACHE', str(tmp_path / 'cache'))
+  monkeypatch.setenv('CXX', fake_compiler(tmp_path, 1))
+  assert cpu.main() == 1
+  assert capsys.readouterr().out.count('not built: ') == 2
+
+
 def test_cpu_library_is_cached_by_sources_compiler_and_jax(tmp_path, monkeypatch):
   """The library's name is a hash of the sources, flags, compiler, jax/jaxlib versions and the
   FFI headers it compiles against: another compiler, jax, jaxlib, or a jaxlib whose headers
