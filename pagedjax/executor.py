@@ -313,16 +313,18 @@ class PlanExecutor:
 
   # ---- steps -------------------------------------------------------------------------------
 
+  def _topk(self, rows) -> int:
+    """A call holding a beam row returns top-K candidates too: one K bucket for the call."""
+    return max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
+                for s, _ in rows if s.beam), default=0)
+
   def _step(self, rows, kind: str, out: StepOutput) -> CallResult:
     """One step call over rows of (seq, tokens to feed), its shape bucketed here."""
     if self.swaps_tails:
       self._timed(out, self._restore_tails, rows)
     batch_buckets = self.decode_batch_buckets if kind == 'decode' else self.batch_buckets
-    # A call holding a beam row returns top-K candidates too (one K bucket for the call).
-    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
-                for s, _ in rows if s.beam), default=0)
     call = StepCall(rows, kind, bucket(len(rows), batch_buckets),
-                    bucket(max(n for _, n in rows), self.token_buckets), topk)
+                    bucket(max(n for _, n in rows), self.token_buckets), self._topk(rows))
     result = self._timed(out, self.device.step, call)
     add_counts(out.counts, result.counts)
     return result
@@ -336,10 +338,9 @@ class PlanExecutor:
       specs.append(StreamedRow(seq.all_ids[start:start + n], start, seq.host_table,
                                seq.block_table, p.temperature, p.top_k, p.top_p, p.seed,
                                len(seq.output_ids), seq.lane))
-    topk = max((beam_lib.topk_bucket(s.params.beam_width, self.vocab_size)
-                for s, _ in rows if s.beam), default=0)  # as _step's
     self.pool, tokens, logits, streamed, cands = self._timed(
-        out, self.streamed.run, self.params, self.pool, self.offload.store, specs, topk)
+        out, self.streamed.run, self.params, self.pool, self.offload.store, specs,
+        self._topk(rows))
     out.counts['streamed_rows'] += len(rows)
     out.counts['streamed_tokens'] += sum(n for _, n in rows)
     out.counts['streamed_bytes'] += streamed

@@ -34,3 +34,10 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 
   # The vocabulary sort is the expensive part: skip it when the whole batch is greedy.
   return jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: greedy)
+
+
+def top_candidates(logits, k: int):
+  """Each row's k best continuations for beam search: (ids [B, k] int32, log-probs [B, k]
+  float32). The compiled step and the streamed path both return these."""
+  logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+  return ids.astype(jnp.int32), logprobs

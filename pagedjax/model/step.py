@@ -36,7 +36,7 @@ from pagedjax.device import traces
 from pagedjax.model import sharding
 from pagedjax.model.llama import Llama, ModelConfig, per_layer_params
 from pagedjax.device.pool import KVPool
-from pagedjax.device.sampling import sample
+from pagedjax.device.sampling import sample, top_candidates
 
 
 DECODE_LAYERS = ('auto', 'scan', 'unrolled')  # CompiledStep(decode_layers=...)
@@ -116,11 +116,7 @@ class CompiledStep:
                                  logits_index=inputs.logits_index)
       tokens = sample(logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds,
                       inputs.counters)
-      topk = ()
-      if return_topk:
-        topk_logprobs, topk_ids = jax.lax.top_k(
-            jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), return_topk)
-        topk = (topk_ids.astype(jnp.int32), topk_logprobs)
+      topk = top_candidates(logits, return_topk) if return_topk else ()
       if mesh is not None:
         pool = jax.lax.with_sharding_constraint(pool, sharding.pool_sharding(mesh))
         # Replicated outputs: the host reads one local copy instead of gathering shards, and a

@@ -71,7 +71,7 @@ from pagedjax.kernels import contract
 from pagedjax.device.kv_schemes import flat_slots, scatter_slots
 from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
-from pagedjax.device.sampling import sample
+from pagedjax.device.sampling import sample, top_candidates
 from pagedjax.model import llama
 
 
@@ -336,8 +336,7 @@ def _finish(cfg, topk, params, x, temperature, top_k, top_p, seed, counter):
   tokens = sample(logits, temperature, top_k, top_p, seed, counter)
   if not topk:
     return tokens, logits, ()
-  logprobs, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), topk)
-  return tokens, logits, (ids.astype(jnp.int32), logprobs)
+  return tokens, logits, top_candidates(logits, topk)
 
 
 def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
