@@ -10,8 +10,8 @@ Queues:
   0. A leader of parallel samples whose prompt is cached but for its last token forks its
      samples (block_manager.fork); each then decodes that token with its own seed.
   1. Every running sequence that is decoding gets a slot for its next token (but an offloaded
-     one sitting this iteration out: offload.decode_every). When the pool is out
-     of blocks, a victim is preempted until it fits (see Preemption below); the oldest running
+     one sitting this iteration out: offload.decode_every). When the pool is out of blocks, a
+     victim is preempted until it fits (see Preemption below); the oldest running
      sequence is never a victim while another runs, so the run cannot livelock.
   2. If nothing was preempted, swapped sequences come back in FCFS order while blocks allow.
   3. If nothing was preempted and none is swapped (they arrived first), waiting requests are
@@ -193,15 +193,15 @@ class Scheduler:
   def schedule(self) -> Plan:
     plan = Plan()
     self.iterations += 1
-    resting = (self.offload.resting(self.running, self.iterations)
-               if self.offload is not None else [])
+    resting = ({id(s) for s in self.offload.resting(self.running, self.iterations)}
+               if self.offload is not None else set())
     self._fork_ready(plan)
     self._reserve_decode_slots(plan, resting)
     if not plan.preempted:
       self._swap_in(plan)
     budget = self.max_num_batched_tokens
     for seq in self.running:  # decodes first: one token each
-      if seq.num_pending == 1 and not seq.forks and not any(seq is r for r in resting):
+      if seq.num_pending == 1 and not seq.forks and id(seq) not in resting:
         plan.rows.append((seq, 1))
         budget -= 1
     if self.prefill_cap is not None:
@@ -243,11 +243,12 @@ class Scheduler:
           plan.forked.append(child)
         seq.forks = []
 
-  def _reserve_decode_slots(self, plan: Plan, resting: List[Sequence]) -> None:
+  def _reserve_decode_slots(self, plan: Plan, resting: set) -> None:
+    """resting: ids of the offloaded sequences sitting this iteration out."""
     for seq in list(self.running):
       if seq.status is not Status.RUNNING or seq.num_pending != 1:
         continue  # preempted a moment ago, or mid-prompt (its blocks came at admission)
-      if any(seq is r for r in resting):
+      if id(seq) in resting:
         continue  # an offloaded decode sitting this iteration out (offload.decode_every)
       if seq.window:  # offloaded: its window's oldest block moves out when a new one is due
         self.offload.make_room(seq, seq.num_tokens, plan)
