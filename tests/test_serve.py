@@ -8,6 +8,8 @@ down (Ray included); every wait bounded."""
 import contextlib
 import dataclasses
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -16,6 +18,7 @@ import pytest
 
 import ray  # requirements-serve.txt
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from configs import serve as serve_config
 from experiments import serve as serve_study
@@ -101,6 +104,7 @@ def test_refused_requests_are_400_with_the_engine_message(setup, fields, says):
 
 
 def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
+  """...and its engine is handed the chain keys the router computed (not hashing it again)."""
   deployment, _, _ = setup
   prompt = list(range(100, 180))  # 5 full blocks of 16
   replicas = set()
@@ -109,6 +113,40 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
     assert status == 200, out
     replicas.add(out['pagedjax']['replica'])
   assert len(replicas) == 1
+  (replica,) = replicas
+  wait_for(lambda: figures(deployment, replica).get('keys_handed', 0) >= 3,
+           'the engine was handed the keys of the 3 requests')
+
+
+SHIPPED_ROUTER = """
+import pickle, sys, types
+from ray import cloudpickle
+from pagedjax.cluster import routers, serve as serve_lib
+from pagedjax.cluster.index import prompt_keys
+shipped = cloudpickle.loads(sys.stdin.buffer.read())  # as Serve loads it in the ingress
+router = object.__new__(shipped)
+router.initialize_state(router='precise')
+routed = serve_lib.parse_completion({'prompt': list(range(40)), 'max_tokens': 2})
+router.on_request_routed(types.SimpleNamespace(args=[routed], kwargs={}),
+                         types.SimpleNamespace(unique_id='replica-a'), None)
+assert routed.route is not None, 'the router did not keep its route on the request'
+router.policy.route(routed.route, [routers.ReplicaState(0), routers.ReplicaState(1)])  # keys
+sent = pickle.loads(pickle.dumps(routed))  # as Ray sends it to a replica
+assert sent.route._keys == {16: prompt_keys(routed.prompt_ids, 16)}, sent.route._keys
+"""
+
+
+def test_the_router_serve_ships_keeps_the_keys_on_the_request():
+  """Without Ray: Serve pickles the router class by value (its module registered with
+  cloudpickle.register_pickle_by_value) and loads it in the ingress's process, where its code
+  runs against a copy of serve.py's globals. That copy must still recognise the request the
+  ingress made and keep the route, with its chain keys, on it, for the replica to receive.
+  (In another process: in this one cloudpickle hands back the classes it pickled.)"""
+  shipped = RequestRouterConfig(
+      request_router_class=serve_lib.PagedjaxRequestRouter).get_serialized_request_router_cls()
+  done = subprocess.run([sys.executable, '-c', SHIPPED_ROUTER], input=shipped,
+                        capture_output=True, timeout=TIMEOUT_S, check=False)
+  assert done.returncode == 0, done.stderr.decode()[-2000:]
 
 
 def wait_for(check, what: str):

@@ -40,11 +40,15 @@ Ray's baselines: `ray_pow2` (PowerOfTwoChoicesRequestRouter, Serve's default) an
 needs `ray[llm]` (pyarrow, vLLM's stack) at import time; the class itself is generic (it reads
 `.prompt` text off the request's first argument and keeps a character prefix tree per replica),
 so it is imported from where it is defined (ray.llm._internal...), which needs nothing more.
+
+Serve ships PagedjaxRequestRouter by value: its RequestRouterConfig registers this module with
+cloudpickle.register_pickle_by_value, so in the ingress the router runs against a copy of this
+module's globals, where a class defined here is a second class of the same name. So nothing the
+router must recognise by class is defined here: the request, RoutedPrompt, is completions.py's.
 """
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import json
 import socket
 import threading
@@ -58,11 +62,11 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedjax.cluster import routers as routers_lib
+from pagedjax.cluster.completions import RoutedPrompt, parse_completion
 from pagedjax.cluster.index import KVIndex
 from pagedjax.host import kv_events
 from pagedjax.host.tiers import disk_store
 from pagedjax.host.requests.intake import RequestError
-from pagedjax.host.requests.sampling_params import as_params, brief
 
 BUS_NAMESPACE = 'pagedjax'
 APP_NAME = 'pagedjax'
@@ -75,86 +79,7 @@ RAY_ROUTERS = {
 FINISH_REASONS = {'eos': 'stop'}  # pagedjax's reason -> OpenAI's; the rest are 'length'
 
 
-# ---- the request, as it travels from the ingress to a replica (and the router reads it) -----
-
-@dataclasses.dataclass
-class RoutedPrompt:
-  """One completion request after the ingress parsed it. `prompt` is text for routers that
-  match characters (Ray's PrefixCacheAffinityRouter reads `.prompt`); token-id prompts give
-  their ids as text."""
-  prompt_ids: object  # token ids (a list of ints) or, when not a str or list, the raw value
-  prompt: str
-  params: dict  # SamplingParams fields
-  request_id: str
-  stream: bool = False
-  model: str = ''
-  # what the router saw (route_request): its chain keys are computed once, when the router
-  # first sees the request, and kept for on_request_routed and for a retry after a replica died
-  route: Optional[routers_lib.RouteRequest] = dataclasses.field(default=None, repr=False,
-                                                                compare=False)
-
-  @property
-  def salt(self) -> Optional[str]:
-    return self.params.get('cache_salt')
-
-
-COMPLETION_FIELDS = ('prompt', 'max_tokens', 'temperature', 'top_p', 'seed', 'stream', 'model',
-                     'cache_salt', 'ignore_eos', 'request_id')
-MAX_REQUEST_ID = 128  # characters
-
-
-def parse_completion(body, tokenizer=None) -> RoutedPrompt:
-  """An OpenAI /v1/completions body -> RoutedPrompt, or RequestError naming the field.
-
-  max_tokens (default 16, as OpenAI's) is SamplingParams.max_new_tokens; temperature (default
-  1.0), top_p, seed and cache_salt are SamplingParams' own; ignore_eos (vLLM's extension,
-  default false) is `not stop_on_eos`; request_id (vLLM's extension: the caller's id for the
-  request, the answer's `id`; default a fresh 'cmpl-...') is what KVEventBus.serving finds the
-  request's replica by. The parameters are checked here by
-  the engine's own SamplingParams checks, the prompt (ids in the vocabulary, length within
-  max_seq_len) by the engine that receives it."""
-  if not isinstance(body, dict):
-    raise RequestError(f'request body {brief(body)} is not allowed: a JSON object')
-  unknown = sorted(set(body) - set(COMPLETION_FIELDS))
-  if unknown:
-    raise RequestError(f'field {unknown[0]!r} is not allowed: the fields are '
-                       f'{", ".join(COMPLETION_FIELDS)}')
-  if 'prompt' not in body:
-    raise RequestError('field prompt is missing: a string or a list of token ids')
-  stream = body.get('stream', False)
-  if not isinstance(stream, bool):
-    raise RequestError(f'stream={brief(stream)} is not allowed: true or false')
-  model = body.get('model', '')
-  if not isinstance(model, str):
-    raise RequestError(f'model={brief(model)} is not allowed: a string')
-  params = dict(max_new_tokens=body.get('max_tokens', 16),
-                temperature=body.get('temperature', 1.0), top_p=body.get('top_p', 1.0),
-                seed=body.get('seed', 0), cache_salt=body.get('cache_salt'))
-  ignore_eos = body.get('ignore_eos', False)
-  if not isinstance(ignore_eos, bool):
-    raise RequestError(f'ignore_eos={brief(ignore_eos)} is not allowed: true or false')
-  params['stop_on_eos'] = not ignore_eos
-  request_id = body.get('request_id', f'cmpl-{uuid.uuid4().hex[:24]}')
-  if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
-    raise RequestError(f'request_id={brief(request_id)} is not allowed: a string of 1 to '
-                       f'{MAX_REQUEST_ID} characters')
-  try:
-    as_params(params).validate()
-  except ValueError as e:  # the engine's own check, named as the request names the field
-    raise RequestError(str(e).replace('max_new_tokens=', 'max_tokens=', 1)) from None
-  prompt = body['prompt']
-  if isinstance(prompt, str) and tokenizer is not None:
-    try:
-      ids = tokenizer.encode(prompt)
-    except ValueError as e:  # text the tokenizer cannot take (a lone surrogate)
-      raise RequestError(f'prompt={brief(prompt)} is not allowed: {e}') from None
-    text = prompt
-  elif isinstance(prompt, list):
-    ids, text = prompt, ' '.join(map(str, prompt))
-  else:
-    ids, text = prompt, ''  # the engine names what is wrong with it
-  return RoutedPrompt(ids, text, params, request_id, stream, model)
-
+# ---- the request (completions.py: its class must not be defined in this module, see there) ---
 
 # ---- the KV event bus --------------------------------------------------------------------------
 
@@ -250,9 +175,8 @@ class EngineReplica:
     self.capacity = engine.allocator.num_blocks - 1
     self.bus = ray.get_actor(bus_name, namespace=BUS_NAMESPACE)
     self.waiters: Dict[int, _Waiter] = {}
-    # requests whose chain keys came computed from the router (RoutedPrompt.route); on Ray
-    # Serve 2.60 none do in tests/test_serve.py (the route set in choose_replicas does not
-    # reach the replica), so the replica's engine hashes the prompt again
+    # requests whose chain keys came computed from the router (RoutedPrompt.route), so the
+    # engine did not hash their prompts again
     self.keys_handed = 0
     self._last_state, self._dirty = 0.0, False
     self._wake, self._stop = threading.Event(), threading.Event()
