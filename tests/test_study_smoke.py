@@ -39,6 +39,7 @@ STUDIES = {
     'policy_lab': ('experiments.policy_lab', 'test_policy_lab.py::test_tiny_study'),
     'policy_lab_sim': ('experiments.policy_lab_sim', 'test_policy_lab.py::test_tiny_simulated_node'),
     'cluster': ('experiments.cluster', 'test_cluster.py::test_study_writes_its_files'),
+    'profile_decode': ('experiments.profile_decode', 'test_profile_decode.py::test_tiny_profile'),
     'recompute_storm': ('experiments.recompute_storm', 'test_study_smoke.py::test_tiny_pipeline'),
     'thrashing': ('experiments.thrashing', 'test_study_smoke.py::test_tiny_pipeline'),
     'long_context': ('experiments.long_context', 'test_study_smoke.py::test_tiny_pipeline'),
