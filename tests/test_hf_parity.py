@@ -15,8 +15,16 @@ import pytest
 from pagedjax.model import llama as model
 from pagedjax.model import weights
 
-torch = pytest.importorskip('torch', reason='HF parity needs the test extra (torch CPU wheel)')
-transformers = pytest.importorskip('transformers', reason='HF parity needs transformers')
+# Imported when the file's first test runs, not at collection: every xdist worker collects every
+# file, and torch + transformers cost a few seconds of CPU to import.
+torch = transformers = None
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _hf_libraries():
+  global torch, transformers  # pylint: disable=global-statement
+  torch = pytest.importorskip('torch', reason='HF parity needs the test extra (torch CPU wheel)')
+  transformers = pytest.importorskip('transformers', reason='HF parity needs transformers')
 
 ATOL = RTOL = 1e-4
 # One program per model shape: run op by op, the forward would compile each of its ~100

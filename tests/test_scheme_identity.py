@@ -17,7 +17,7 @@ from pagedjax.config import ConfigError, TiersConfig
 from pagedjax.device.kv_schemes import KV_DTYPES, KVQuantConfig
 from pagedjax.engine import Engine
 from pagedjax.host.requests.sampling_params import SamplingParams
-from tiny_models import engine_config, prompts, tiny
+from tiny_models import engine_config, prompts, tiny, tiny_config
 
 GROUP, WINDOW = 6, 4  # int4 groups dividing the tiny model's head_dim of 12; a recent window
 
@@ -30,7 +30,7 @@ def allowed_specs():
       for window in (0, WINDOW):
         spec = KVQuantConfig(kv_dtype, GROUP, per_channel, window)
         try:
-          spec.validate(tiny()[0].head_dim)
+          spec.validate(tiny_config().head_dim)
         except ValueError:
           continue
         specs.append(spec)

@@ -21,12 +21,17 @@ VOCAB = 97
 HEADS = {'mha': (4, 4), 'gqa': (4, 2), 'mqa': (4, 1)}
 
 
+def tiny_config(kind='gqa') -> ModelConfig:
+  """The tiny model's config for one attention kind (no params: cheap at collection time)."""
+  heads, kv_heads = HEADS[kind]
+  return ModelConfig(vocab_size=VOCAB, d_model=48, num_layers=2, num_heads=heads,
+                     num_kv_heads=kv_heads, head_dim=12, ffn_dim=96, max_seq_len=512)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny(kind='gqa'):
   """(cfg, params, CompiledStep returning logits) for one attention kind."""
-  heads, kv_heads = HEADS[kind]
-  cfg = ModelConfig(vocab_size=VOCAB, d_model=48, num_layers=2, num_heads=heads,
-                    num_kv_heads=kv_heads, head_dim=12, ffn_dim=96, max_seq_len=512)
+  cfg = tiny_config(kind)
   return cfg, init_params(cfg, seed=1), CompiledStep(cfg, return_logits=True)
 
 
