@@ -104,6 +104,24 @@ def test_precise_prefers_held_prefix_then_device_tier_then_load():
   assert r.route(request([99] * 3), states(3, num_running=[3, 1, 2])) == 1  # no full block
 
 
+def test_ties_go_to_the_least_loaded_then_in_turn():
+  """Idle replicas and prefixes nobody holds score the same: the cold prefixes are spread in
+  turn (not all on replica 0), the least queued tokens first; a held prefix still decides.
+  The other policies take equals in turn too."""
+  index = KVIndex()
+  r = routers.make_router('precise', index=index)
+  cold = [request(range(100 + 8 * i, 108 + 8 * i), i) for i in range(6)]
+  assert [r.route(q, states(3)) for q in cold] == [0, 1, 2, 0, 1, 2]
+  assert r.route(cold[0], states(3, queued_prefill_tokens=[40, 8, 40])) == 1
+  assert {r.route(q, states(3, running_tokens=[0, 9, 0])) for q in cold[:2]} == {0, 2}
+  index.apply(1, stored(KEYS))
+  assert [r.route(request(PROMPT), states(3)) for _ in range(3)] == [1, 1, 1]
+  for name, kwargs in (('least_loaded', {}), ('approx_prefix', {}),
+                       ('tier_cost', {'index': KVIndex()})):
+    other = routers.make_router(name, **kwargs)
+    assert [other.route(q, states(3)) for q in cold[:4]] == [0, 1, 2, 0], name
+
+
 def test_tier_cost_expected_ttft_is_the_formula():
   cost = TierCosts.for_tiers(BS, block_bytes=1000, prefill_s_per_token=1e-3, host=(1e5, 0.002),
                              disk=(1e4, 0.01))

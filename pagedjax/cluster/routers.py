@@ -25,6 +25,9 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 rate + loading the held part from its tiers (each block from its best tier; the
                 promotion rule's cheapest split of load vs recompute).
 
+Every policy takes equally good replicas in turn (by index), after the least loaded among them
+for precise and tier_cost (queued + running tokens): never always the first of equals.
+
 `make_router(name, **kwargs)` builds one by registry name or 'package.module:Class' (any class
 with `route(request, replicas) -> int`); `register(name)` adds a class to the registry (a
 host/policies.py Registry, as the scheduling and eviction policies use).
@@ -122,9 +125,14 @@ class ReplicaState:
 
 
 class Router:
-  """Base: `route` picks; `routed` is told the pick (routers that learn override it)."""
+  """Base: `route` picks; `routed` is told the pick (routers that learn override it).
+
+  Equally good replicas are taken in turn (`_in_turn`): always the first of equals would send
+  every request that no replica is better for (a cold prefix on idle replicas) to one
+  replica, which then evicts while the others sit empty."""
   name = 'router'
   index: Optional[KVIndex] = None  # routers that read the cluster's KV index set it
+  _turn = 0  # ties broken so far (per router)
 
   def route(self, request: RouteRequest, replicas: Seq[ReplicaState]) -> int:
     raise NotImplementedError
@@ -132,10 +140,20 @@ class Router:
   def routed(self, request: RouteRequest, replica: int) -> None:
     pass
 
+  def _in_turn(self, tied: Seq[ReplicaState]) -> int:
+    """One of equally good replicas: the next in turn, by index, as ties come."""
+    if len(tied) == 1:
+      return tied[0].index
+    self._turn += 1
+    return sorted(tied, key=lambda r: r.index)[(self._turn - 1) % len(tied)].index
 
-def _least(replicas: Seq[ReplicaState], load: Callable[[ReplicaState], float]) -> int:
-  """The replica of least load, the lowest index among equals."""
-  return min(replicas, key=lambda r: (load(r), r.index)).index
+  def _least(self, replicas: Seq[ReplicaState], load: Callable[[ReplicaState], float]) -> int:
+    """The replica of least load; equals in turn."""
+    least = min(load(r) for r in replicas)
+    return self._in_turn([r for r in replicas if load(r) <= least + TIE_TOLERANCE])
+
+
+TIE_TOLERANCE = 1e-9  # scores this close are equal (sums of float terms)
 
 
 @register('random')
@@ -177,7 +195,7 @@ class LeastLoadedRouter(Router):
     self.metric, self._load = metric, _load_metric(metric)
 
   def route(self, request, replicas):
-    return _least(replicas, self._load)
+    return self._least(replicas, self._load)
 
 
 @register('approx_prefix')
@@ -214,7 +232,7 @@ class ApproxPrefixRouter(Router):
       self._capacity.setdefault(r.index, self.capacity_blocks or max(
           1, r.capacity_blocks * r.block_size // self.block_size))
     if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-      return _least(replicas, self._load)
+      return self._least(replicas, self._load)
     keys = self._keys(request)
     alive = {r.index for r in replicas}
     matched = dict.fromkeys(alive, 0)
@@ -226,8 +244,8 @@ class ApproxPrefixRouter(Router):
         matched[r] = i + 1
     best = max(matched.values(), default=0)
     if keys and best / len(keys) >= self.match_threshold and best:
-      return _least([r for r in replicas if matched[r.index] == best], self._load)
-    return _least(replicas, self._load)
+      return self._least([r for r in replicas if matched[r.index] == best], self._load)
+    return self._least(replicas, self._load)
 
   def routed(self, request, replica):
     keys = self._keys(request)
@@ -273,7 +291,11 @@ class PreciseRouter(Router):
       prefix = sum(w[t] * tiers.count(t) for t in w) / len(keys) if tiers else 0.0
       return (self.w_prefix * prefix + self.w_kv * (1 - r.kv_usage) +
               self.w_queue * (1 - r.num_requests / most))
-    return max(replicas, key=lambda r: (score(r), -r.index)).index
+    scores = [score(r) for r in replicas]
+    best = max(scores)
+    # equal scores (idle replicas, a prefix nobody holds): the least tokens queued and running
+    return self._least([r for r, x in zip(replicas, scores) if x >= best - TIE_TOLERANCE],
+                       lambda r: r.load_tokens)
 
 
 @register('tier_cost')
@@ -323,4 +345,7 @@ class TierCostRouter(Router):
       if case not in prompt_s:
         prompt_s[case] = self._prompt_s(request, r, tiers)
       return r.queued_prefill_tokens * self._per_token(r) + prompt_s[case]
-    return min(replicas, key=lambda r: (ttft(r), r.load_tokens, r.index)).index
+    times = [ttft(r) for r in replicas]
+    least = min(times)
+    return self._least([r for r, t in zip(replicas, times) if t <= least * (1 + TIE_TOLERANCE)],
+                       lambda r: r.load_tokens)
