@@ -23,7 +23,9 @@ Workloads (`workload.kind`):
 
 Default: SmolLM2-135M (the shipped GGUF), 3 replicas of 1,008 KV tokens, 60 requests of 8
 tenants. `:slice` is the same on the random tiny model (what docs/cluster.md reports);
-`:tiny` a test-sized smoke run (2 replicas, 12 requests, three routers).
+`:tiny` a test-sized smoke run (2 replicas, 12 requests, three routers). The simulated replay
+runs on this machine's cost model, calibrated first for the config's model (serve.sim_hardware;
+`--config.serve.sim_hardware=WORKDIR/hardware_profile.json` reuses an earlier calibration).
 """
 import ml_collections
 
@@ -53,7 +55,14 @@ def get_config(arg=None):
       replicas=3, routers=router_rows(), concurrency=6, request_timeout_s=120.0,
       start_timeout_s=300.0, max_ongoing_requests=16,
       simulate=True,  # also replay the same requests on the simulated cluster (sim.py)
-      sim_hardware='h100-sxm',
+      # its device: 'calibrate' fits this machine's cost model for the replicas' model and
+      # engine config first (WORKDIR/hardware_profile.json); or a profile .json a calibration
+      # wrote, or a preset name ('h100-sxm': the tiny model would take milliseconds there)
+      sim_hardware='calibrate',
+      # the calibration (pagedjax/sim/calibrate.py): timing rounds over the step grid, batch
+      # fills profiled, rounds and buffer size (MB) of the peak measurements
+      calibration=ml_collections.ConfigDict(dict(rounds=3, fills=(0.25, 0.5, 1.0),
+                                                 peak_rounds=3, copy_mb=64)),
       sim_time_scale=1.0))  # the simulated replay's arrival times, multiplied by this
   config.workload = ml_collections.ConfigDict(dict(
       kind='shared_prefix', tenants=8, prefix_tokens=256, question_tokens=32, output_tokens=8,
@@ -67,6 +76,7 @@ def get_config(arg=None):
     config.serve.update(dict(replicas=2, concurrency=4, routers=(
         ('ray_pow2', 'ray_pow2', {}), ('ray_prefix', 'ray_prefix', {}),
         ('precise', 'precise', {}))))
+    config.serve.calibration.update(dict(rounds=2, fills=(1.0,), peak_rounds=2, copy_mb=16))
     config.workload.update(dict(requests=12, tenants=3, prefix_tokens=64, question_tokens=16,
                                 output_tokens=4, rate=8.0))
   elif arg:

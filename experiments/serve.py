@@ -9,19 +9,33 @@ ServeDeployment, caches cold, Ray on 127.0.0.1 only), the requests replayed at t
 times (streamed, greedy, ignore_eos, at most serve.concurrency in flight), then each replica's
 engine figures. TTFT is wall time from a request's scheduled arrival to its first streamed
 event, on this machine under its load (recorded): compare routers within one run, not with
-other machines. The hit rate (prompt tokens found in the replicas' prefix caches) does not
-depend on the machine's speed, only on where requests went and in what order they ran.
+other machines. `idle_ttft_s` is the serving path's own share: the median TTFT of a 3-token
+request on the idle deployment, sent before the replay. The hit rate (prompt tokens found in
+the replicas' prefix caches) depends on where requests went and in what order they ran, so on
+the machine's speed only through how busy each replica is at each arrival (what the routers'
+load terms see).
 Every request's greedy tokens are compared with one engine's (all requests in one generate
 call in this process, which also fills the replicas' compilation cache first).
 
 With serve.simulate, the pagedjax router rows are also replayed on the simulated cluster
-(pagedjax/cluster/sim.py: the same engine host code, the same pool, the model's shape on
-serve.sim_hardware's cost model): its hit rate is the one to set beside the live one (its TTFT
-is simulated seconds of another device, reported as such).
+(pagedjax/cluster/sim.py: the same engine host code, the same per-replica pool, the same
+arrival times and at most serve.concurrency requests in flight, as the live client sends
+them). Its device is serve.sim_hardware: 'calibrate' (the default) fits this machine's cost
+model for the replicas' own model and engine config before the live runs (as
+`experiments.simulate --calibrate` does: this CPU's peaks, the host's time per iteration, the
+real jitted step timed over every shape bucket the replicas can use, then the fit;
+WORKDIR/hardware_profile.json, with a validation: one real engine on the study's requests
+against its simulation), a profile .json such a calibration wrote, or a preset name (an H100
+answers the tiny model in milliseconds: its replicas are idle at every arrival, and neither
+hit rates nor TTFT are comparable with this machine's). Per router: hit rate live and
+simulated and their difference, TTFT p50 live and simulated and their ratio, and the same
+ratio with the serving path added to the simulated figure (idle_ttft_s: the simulated cluster
+has no HTTP, proxy, ingress or replica call).
 
 Writes to WORKDIR:
   requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts
   routers.csv    per router: live and simulated figures
+  hardware_profile.json  this machine's fitted cost model (serve.sim_hardware='calibrate')
   table.md       the routers table
   serve.png      hit rate (live, simulated) and TTFT p50/p90 per router
   summary.json   everything above, the load averages at start and end, start times, config,
@@ -31,6 +45,7 @@ import concurrent.futures
 import dataclasses
 import os
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -48,9 +63,17 @@ REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'laten
 ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
-                  'same_tokens_as_single', 'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
-                  'sim_prompt_tokens_computed', 'sim_ttft_p90_s')
+                  'same_tokens_as_single', 'idle_ttft_s', 'start_s', 'replay_s',
+                  'sim_prefix_hit_rate_tokens',
+                  'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
+                  'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50')
+COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
+                   'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
+                   'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
+                   'sim_plus_idle_over_live_ttft_p50')
 WORKLOADS = ('mooncake', 'shared_prefix')
+CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
+IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
 
 
 def check(config) -> None:
@@ -72,6 +95,19 @@ def check(config) -> None:
       fail(f'serve.{name}', s[name], 'an integer >= 1')
   if not s.sim_time_scale > 0:
     fail('serve.sim_time_scale', s.sim_time_scale, 'a number > 0')
+  if s.sim_hardware != CALIBRATE:
+    from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
+    try:
+      hardware.get_hardware(s.sim_hardware)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+      fail('serve.sim_hardware', s.sim_hardware, f"'{CALIBRATE}' (this machine, fitted here), a "
+           f'profile .json or a preset name ({e})')
+  cal = s.calibration
+  for name in ('rounds', 'peak_rounds', 'copy_mb'):
+    if not isinstance(cal[name], int) or cal[name] < 1:
+      fail(f'serve.calibration.{name}', cal[name], 'an integer >= 1')
+  if not cal.fills or not all(0 < f <= 1 for f in cal.fills):
+    fail('serve.calibration.fills', cal.fills, 'fractions of a batch in (0, 1]')
   for name in ('request_timeout_s', 'start_timeout_s'):
     if not s[name] > 0:
       fail(f'serve.{name}', s[name], 'seconds > 0')
@@ -175,16 +211,93 @@ def share_compilation_cache(directory: str) -> None:
                     float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
 
 
-def single_engine_tokens(typed, requests, tokenizer=None) -> dict:
+def single_engine_tokens(engine, requests) -> dict:
   """request id -> one engine's greedy tokens for it (all requests in one generate call). Run
   in this process before any deployment: it also compiles the programs the replicas will ask
   for into the shared compilation cache, so no router's TTFT pays for compiling them first."""
-  engine = factory.build_engine(typed, tokenizer)
   serve_lib.warm_up(engine)  # the replicas' own first request
   done = engine.generate([r.prompt_ids for r in requests],
                          dict(max_new_tokens=max(r.max_new_tokens for r in requests),
                               temperature=0.0, stop_on_eos=False))
   return {r.request_id: c.output_ids[:r.max_new_tokens] for r, c in zip(requests, done)}
+
+
+@dataclasses.dataclass
+class SimDevice:
+  """What the simulated replicas run on: a cost model's hardware, the model's shape and the
+  dtypes the cost model counts bytes in."""
+  hardware: object  # pagedjax.sim.hardware.Hardware
+  shape: sizing.ModelShape
+  weight_dtype: str = 'bf16'
+  activation_dtype: str = 'bf16'
+  calibration: Optional[dict] = None  # the fit and its validation, when fitted here
+
+
+def calibrate_cpu(config, engine, requests, workdir: str, progress=print) -> SimDevice:
+  """This machine's cost model for the replicas' model and engine config, fitted as
+  `experiments.simulate --calibrate` fits it (pagedjax/sim/calibrate.py): the CPU's matmul
+  and memory peaks; the host's time per iteration (the engine with a step that computes
+  nothing, on the study's requests); the real jitted step of `engine` (the replicas' config,
+  its programs already compiled) timed over every (rows, tokens, table width) bucket whose
+  contexts the study's requests reach, in serve.calibration.rounds shuffled rounds; the
+  least-squares fit. Validated as the simulator's CPU validation is: one real engine runs the
+  requests at their arrival times, and the simulated engine the same. Writes
+  WORKDIR/hardware_profile.json."""
+  from pagedjax.sim import calibrate, hardware  # pylint: disable=import-outside-toplevel
+  cal, typed = config.serve.calibration, engine.config
+  model_cfg, executor = engine.model_cfg, engine.executor
+  make = lambda step_fn=None: factory.make_engine(
+      typed, model_cfg, executor.params, engine.tokenizer, step_fn=step_fn or executor.step_fn)
+  shape = dataclasses.replace(sizing.from_model_config(model_cfg),
+                              name=f'{typed.model.source} model')
+  # pagedjax keeps params in float32 whatever the compute dtype (model/llama.py)
+  weight_dtype, act_dtype = 'fp32', sizing.canonical_dtype(model_cfg.dtype)
+  t0 = time.monotonic()
+  progress("calibrating this machine for the replicas' model: peaks, host time, step grid")
+  peaks = calibrate.measure_peaks(rounds=cal.peak_rounds, copy_mb=cal.copy_mb)
+  host = calibrate.profile_host(make, requests)
+  longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+  widths = [w * executor.block_size for w in executor.table_width_buckets]
+  reach = min([w for w in widths if w >= longest] or [widths[-1]])
+  points = [p for p in calibrate.step_grid(
+      executor, typed.scheduler.max_num_batched_tokens or
+      typed.engine.max_batch_size * typed.engine.prefill_chunk, typed.engine.prefill_chunk,
+      tuple(cal.fills)) if max(ctx for _, ctx in p.rows) <= reach]
+  samples = calibrate.profile_steps(executor, points, model_cfg.vocab_size, rounds=cal.rounds)
+  base = calibrate.cpu_hardware(peaks).with_efficiency(
+      iteration_overhead_s=host['iteration_overhead_s'], row_overhead_s=host['row_overhead_s'])
+  fitted, fit = calibrate.fit(shape, base, samples, kv_bytes_per_token=engine.kv_bytes_per_token,
+                              block_size=typed.pool.block_size, weight_dtype=weight_dtype,
+                              activation_dtype=act_dtype)
+  fit.pop('errors')
+  real = calibrate.run_recorded(make(), requests)['summary']
+  sim = calibrate.simulate_trace(shape, fitted, typed, requests, weight_dtype=weight_dtype,
+                                 activation_dtype=act_dtype)['summary']
+  validation = calibrate.compare_runs(real, sim)
+  report = {'profile': os.path.join(workdir, 'hardware_profile.json'), 'fit': fit,
+            'grid_points': len(samples), 'host': host, 'peaks': peaks,
+            'single_engine_validation': validation, 'seconds': time.monotonic() - t0}
+  hardware.save_profile(report['profile'], fitted, {'model': shape.name, 'fit': fit,
+                                                    'host': host, 'peaks': peaks})
+  ttft = validation['ttft_p50_s']
+  progress(f"calibrated in {report['seconds']:.0f} s: fit median |error| "
+           f"{fit['median_abs_error']:.1%} over {len(samples)} step shapes; one engine on the "
+           f"requests, TTFT p50 real {ttft['measured']:.4g} s, simulated {ttft['simulated']:.4g} s")
+  return SimDevice(fitted, shape, weight_dtype, act_dtype, report)
+
+
+def sim_device(config, engine, requests, workdir: str) -> SimDevice:
+  """serve.sim_hardware's device: fitted here ('calibrate'), or a profile / preset by name."""
+  from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
+  name = config.serve.sim_hardware
+  if name == CALIBRATE:
+    return calibrate_cpu(config, engine, requests, workdir)
+  hw = hardware.get_hardware(name)
+  if name.endswith('.json'):  # a calibration's profile: this machine, the model in float32
+    return SimDevice(hw, dataclasses.replace(sizing.from_model_config(engine.model_cfg),
+                                             name=f'{config.model.source} model'),
+                     'fp32', sizing.canonical_dtype(engine.model_cfg.dtype))
+  return SimDevice(hw, model_shape(config))
 
 
 def quantile(values, q):
@@ -201,7 +314,12 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
     # one request shorter than a block first: Serve builds a handle's router on its first
     # request (Ray's prefix router then creates its tree actor, seconds under load); cached
     # nothing, so the replay starts from cold caches
-    serve_lib.post(deployment.url, {'prompt': [1, 2, 3], 'max_tokens': 1}, s.request_timeout_s)
+    probe = {'prompt': [1, 2, 3], 'max_tokens': 1}
+    serve_lib.post(deployment.url, probe, s.request_timeout_s)
+    # the serving path's own share of a TTFT: HTTP, proxy, ingress, router, replica call, and
+    # an engine step of 3 tokens, on idle replicas (the simulated cluster has no such path)
+    idle = [serve_lib.post_stream(deployment.url, probe, s.request_timeout_s)[2]
+            for _ in range(IDLE_PROBES)]
     t0 = time.monotonic()
     rows = replay(deployment.url, requests, s.concurrency, s.request_timeout_s)
     replay_s = time.monotonic() - t0
@@ -210,7 +328,8 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
     while time.monotonic() < deadline:  # each replica publishes its figures when it goes idle
       summaries = deployment.replica_summaries()
       if (len(summaries) == s.replicas and
-          sum(x['finished_requests'] for x in summaries.values()) >= ok + s.replicas + 1):
+          sum(x['finished_requests'] for x in summaries.values()) >= (
+              ok + s.replicas + 1 + IDLE_PROBES)):  # and each replica's warm-up, the probes
         break
       time.sleep(0.2)
   hit = sum(x.get('prefix_hit_tokens', 0) for x in summaries.values())
@@ -229,6 +348,7 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       'latency_p90_s': quantile([r['latency_s'] for r in rows], 90),
       'imbalance_requests': (max(per_replica) / np.mean(per_replica)
                              if per_replica and np.mean(per_replica) else None),
+      'idle_ttft_s': quantile(idle, 50),
       'start_s': deployment.start_s, 'replay_s': replay_s,
       'replica_requests': per_replica,
       'replica_summaries': {uid: {k: x.get(k) for k in (
@@ -249,22 +369,35 @@ def model_shape(config) -> sizing.ModelShape:
   return sizing.PRESETS['smollm2-135m']
 
 
-def simulated_router(config, row, requests) -> dict:
-  """The same requests on SimulatedCluster replicas of the same pool and model shape, arrival
-  times multiplied by serve.sim_time_scale (a simulated accelerator serves the tiny model in
-  milliseconds: at the trace's own times its replicas are idle at every arrival)."""
-  from pagedjax.sim import hardware, simulated_device  # pylint: disable=import-outside-toplevel
+def simulated_router(config, row, requests, device: SimDevice, live: dict) -> dict:
+  """The same requests on SimulatedCluster replicas of the live ones' engine config and pool,
+  on `device`, at most serve.concurrency in flight (the live client's connections), arrival
+  times multiplied by serve.sim_time_scale (1: the live run's own); set beside `live`, that
+  router's live figures."""
+  from pagedjax.sim import simulated_device  # pylint: disable=import-outside-toplevel
   typed = Config.from_configdict(config)
-  hw, shape = hardware.get_hardware(config.serve.sim_hardware), model_shape(config)
-  engines = [simulated_device.simulated_engine(shape, hw, typed)
-             for _ in range(config.serve.replicas)]
-  cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])))
+  engines = [simulated_device.simulated_engine(
+      device.shape, device.hardware, typed, weight_dtype=device.weight_dtype,
+      activation_dtype=device.activation_dtype) for _ in range(config.serve.replicas)]
+  cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])),
+                             max_in_flight=config.serve.concurrency)
   scale = config.serve.sim_time_scale
   cluster.run([dataclasses.replace(r, arrival_time=r.arrival_time * scale) for r in requests])
   f = cluster.figures()
-  return {'sim_prefix_hit_rate_tokens': f['prefix_hit_rate_tokens'],
+  hit, live_hit = f['prefix_hit_rate_tokens'], live.get('prefix_hit_rate_tokens')
+  ttft, live_ttft, idle = f['ttft_p50_s'], live.get('ttft_p50_s'), live.get('idle_ttft_s')
+  # the serving path the simulated cluster has not, as the idle deployment measured it
+  with_path = ttft + idle if ttft is not None and idle is not None else None
+  return {'sim_prefix_hit_rate_tokens': hit,
+          'sim_hit_rate_minus_live': (hit - live_hit if None not in (hit, live_hit) else None),
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
-          'sim_ttft_p90_s': f['ttft_p90_s'], 'sim_rejected': f['rejected_requests']}
+          'sim_ttft_p50_s': ttft, 'sim_ttft_p90_s': f['ttft_p90_s'],
+          'sim_over_live_ttft_p50': ttft / live_ttft if ttft is not None and live_ttft else None,
+          'sim_plus_idle_ttft_p50_s': with_path,
+          'sim_plus_idle_over_live_ttft_p50': (with_path / live_ttft if with_path is not None and
+                                               live_ttft else None),
+          'sim_replica_requests': [r.routed for r in cluster.replicas],
+          'sim_rejected': f['rejected_requests']}
 
 
 def plot(routers: list, workdir: str, title: str) -> None:
@@ -278,9 +411,10 @@ def plot(routers: list, workdir: str, title: str) -> None:
   axes[0].bar(x - 0.2, val('prefix_hit_rate_tokens'), 0.4, label='live (Ray Serve)')
   axes[0].bar(x + 0.2, val('sim_prefix_hit_rate_tokens'), 0.4, label='simulated cluster')
   axes[0].set_title('prefix hit rate (prompt tokens)')
-  axes[1].bar(x - 0.2, val('ttft_p50_s'), 0.4, label='p50')
-  axes[1].bar(x + 0.2, val('ttft_p90_s'), 0.4, label='p90')
-  axes[1].set_title('TTFT, wall s from arrival (this machine, under its load)')
+  axes[1].bar(x - 0.27, val('ttft_p50_s'), 0.27, label='p50')
+  axes[1].bar(x, val('ttft_p90_s'), 0.27, label='p90')
+  axes[1].bar(x + 0.27, val('sim_ttft_p50_s'), 0.27, label='p50, simulated')
+  axes[1].set_title('TTFT, s from arrival (live: wall, this machine under its load)')
   for ax in axes:
     ax.set_xticks(x, labels, rotation=20)
     ax.legend(fontsize=8)
@@ -306,14 +440,18 @@ def study(config, workdir: str) -> dict:
   # the single engine compiles first, the replicas load what it compiled.
   share_compilation_cache(os.path.join(workdir, 'jit-cache'))
   with serve_lib.ray_started():  # one Ray for every router's deployment, forked before jax runs
-    single = single_engine_tokens(typed, requests, tokenizer)
+    engine = factory.build_engine(typed, tokenizer)
+    single = single_engine_tokens(engine, requests)
+    # before the live runs, with Ray up and idle: the load the replicas will run under
+    device = sim_device(config, engine, requests, workdir) if s.simulate else None
+    del engine
     live = [live_router(config, typed, tokenizer, row, requests) for row in s.routers]
   for row, (figures, mine) in zip(s.routers, live):
     for r in mine:
       r['same_tokens_as_single'] = r['status'] == 200 and r['tokens'] == single[r['request_id']]
     figures['same_tokens_as_single'] = float(np.mean([r['same_tokens_as_single'] for r in mine]))
     if s.simulate and row[1] not in serve_lib.RAY_ROUTERS:
-      figures.update(simulated_router(config, row, requests))
+      figures.update(simulated_router(config, row, requests, device, figures))
     routers.append(figures)
     rows += mine
   run_info.write_csv(os.path.join(workdir, 'requests.csv'), rows, REQUEST_COLUMNS)
@@ -322,12 +460,19 @@ def study(config, workdir: str) -> dict:
   table = (f'{title}; TTFT and latency are wall seconds on this machine (1-minute load '
            f'average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end)\n\n'
            f'{run_info.markdown_table(routers, ROUTER_COLUMNS)}\n')
+  simulated = [r for r in routers if 'sim_ttft_p50_s' in r]
+  if simulated:
+    table += (f'\nLive against simulated on {device.hardware.name} (TTFT p50: live wall s, '
+              f'simulated s of its cost model; at most {s.concurrency} requests in flight in '
+              f'both)\n\n{run_info.markdown_table(simulated, COMPARE_COLUMNS)}\n')
   cli.write_table(workdir, table)
   plot(routers, workdir, title)
   summary = {
       'setting': title, 'requests': len(requests), 'left_out_too_long': dropped,
       'routers': routers, 'tokens_equal_to_single_engine': all(r['same_tokens_as_single']
                                                                 for r in rows),
+      'sim_hardware': None if device is None else device.hardware.name,
+      'calibration': None if device is None else device.calibration,
       'timing_note': 'wall time on this machine under its load (load_average_run)',
       'load_average_run': {'start': load_before, 'end': load_after},
       **run_info.summary_fields(config)}

@@ -55,6 +55,22 @@ def test_every_request_finishes_once_where_it_was_routed(router):
   assert all(o.output_len == config().workload.output_tokens for o in outcomes)
 
 
+def test_max_in_flight_holds_arrivals_until_a_request_finishes():
+  """With one request in flight at a time, each reaches a replica only once the one before it
+  finished (its TTFT still counts from its arrival); the trace's own times overlap."""
+  cfg = config()
+  requests = trace()[:8]
+  engines, _ = study_lib.make_engines(cfg, cfg.cluster.replicas)
+  cluster = SimulatedCluster(engines, routers.make_router('round_robin'), max_in_flight=1)
+  outcomes = sorted(cluster.run(requests), key=lambda o: o.first_token_time)
+  assert [o.request_id for o in outcomes] == [r.request_id for r in requests]
+  assert all(b.first_token_time > a.finish_time for a, b in zip(outcomes, outcomes[1:]))
+  assert any(b.arrival_time < a.finish_time for a, b in zip(outcomes, outcomes[1:]))
+  assert all(o.arrival_time == r.arrival_time for o, r in zip(outcomes, requests))
+  with pytest.raises(ValueError, match='max_in_flight=0 is not allowed'):
+    SimulatedCluster(engines, routers.make_router('round_robin'), max_in_flight=0)
+
+
 def test_kv_index_equals_each_replica_device_cache():
   cluster = run('precise')
   for r in cluster.replicas:

@@ -287,7 +287,8 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
   serve_study.check(config)
   for field, value, says in (('serve.replicas', 0, 'config.serve.replicas=0'),
                              ('workload.kind', 'sharegpt', "one of ('mooncake'"),
-                             ('serve.routers', (('x', 'no_such_router', {}),), 'no_such_router')):
+                             ('serve.routers', (('x', 'no_such_router', {}),), 'no_such_router'),
+                             ('serve.sim_hardware', 'tpu-v9', "serve.sim_hardware='tpu-v9'")):
     bad = serve_config.get_config('tiny')
     section, name = field.split('.')
     bad[section][name] = value

@@ -12,7 +12,8 @@ event is whichever comes first:
                   (index.py), as a per-iteration publication would, and its ReplicaState is
                   refreshed from the engine
 So a replica never runs ahead of an arrival it could have seen, and a router sees each replica
-as of its last iteration.
+as of its last iteration. With `max_in_flight` (a client's connections), a request that arrives
+while that many are routed and unfinished reaches the cluster when one finishes.
 
 A shared store (`shared_store_blocks` > 0; Mooncake Store, LMCache, or the replicas' disk tiers
 on one disk_store.make_shared store): one LRU store of that many blocks under every replica.
@@ -39,6 +40,7 @@ of requests and of prompt tokens computed per replica), and the router's decisio
 """
 import collections
 import dataclasses
+import heapq
 import math
 import time
 from typing import Dict, List, Optional, Sequence as Seq
@@ -183,10 +185,12 @@ class Replica:
     return min(blocks * self.engine.block_size, len(request.prompt_ids) - 1)
 
   def submit(self, request: ClusterRequest, route: RouteRequest, route_s: float,
-             store: Optional[SharedStore] = None) -> None:
+             store: Optional[SharedStore] = None, at: Optional[float] = None) -> None:
+    """at: when the request reaches the cluster, if later than its arrival (it waited for a
+    slot under SimulatedCluster's max_in_flight)."""
     device = self.device_prefix_blocks(route)
     cached = self._tokens(device, route)
-    shared, arrival = 0, request.arrival_time
+    shared, arrival = 0, max(request.arrival_time, at or 0.0)
     if store is not None:
       held = store.prefix(route.keys(self.engine.block_size), device)
       # the last prompt token is always computed: a block holding it is not loaded
@@ -265,13 +269,19 @@ class Replica:
 class SimulatedCluster:
 
   def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None,
-               shared_store_blocks: int = 0):
+               shared_store_blocks: int = 0, max_in_flight: Optional[int] = None):
     """engines: simulated (or real) engines with prefix caching; costs: each one's
     tier_cost.TierCosts for routers that weigh costs (None: ReplicaState.cost stays None);
     shared_store_blocks: a shared store of that many blocks under every replica (0: none;
-    module docstring)."""
+    module docstring); max_in_flight: at most this many requests routed and not finished, as
+    a client with that many connections sends them (None: no limit). A request arriving when
+    all are taken is routed when one finishes; its TTFT still counts from its arrival."""
     if not engines:
       raise ValueError('a cluster needs at least one replica')
+    if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+      raise ValueError(f'max_in_flight={max_in_flight!r} is not allowed: an integer >= 1 '
+                       '(None: no limit)')
+    self.max_in_flight = max_in_flight
     if shared_store_blocks and not costs:
       raise ValueError(f'shared_store_blocks={shared_store_blocks} needs costs (each replica\'s '
                        'tier_cost.TierCosts: a load from the store takes its tier-3 time)')
@@ -295,26 +305,36 @@ class SimulatedCluster:
     start = time.perf_counter()
     pending = sorted(requests, key=lambda r: (r.arrival_time, r.request_id))
     states = [r.state for r in self.replicas]
+    # when each free slot of max_in_flight became free (a min-heap; no limit: never empty)
+    slots = self._slots = [0.0] * (self.max_in_flight or 0)
     i = 0
     while True:
       busy = [r for r in self.replicas if r.has_work()]
-      next_arrival = pending[i].arrival_time if i < len(pending) else None
+      next_arrival = None  # when the next request reaches the cluster: it arrived, and a slot
+      if i < len(pending) and (slots or self.max_in_flight is None):  # is free
+        next_arrival = max(pending[i].arrival_time, slots[0] if slots else 0.0)
       if next_arrival is None and not busy:
+        if i < len(pending):  # every slot taken and nothing running: cannot happen
+          raise RuntimeError(f'{len(pending) - i} requests left with no slot free')
         break
       # with a store, a request may be queued for after its load: a replica waiting for one
       # is not stepped past arrivals it could still take
       when = (lambda r: r.next_time()) if self.store is not None else (lambda r: r.engine.clock)
       first = min(busy, key=lambda r: (when(r), r.index)) if busy else None
       if next_arrival is not None and (first is None or next_arrival <= when(first)):
-        self._route(pending[i], states)
+        if slots:
+          heapq.heappop(slots)
+        self._route(pending[i], states, next_arrival)
         i += 1
       else:
         for c in first.step(self.index, self.store):
           self._finished(first, c)
+          if self.max_in_flight is not None:
+            heapq.heappush(slots, c.finish_time)
     self.wall_s = time.perf_counter() - start
     return self.outcomes
 
-  def _route(self, request: ClusterRequest, states) -> None:
+  def _route(self, request: ClusterRequest, states, at: Optional[float] = None) -> None:
     route = RouteRequest(request.request_id, request.prompt_ids, request.salt,
                          request.max_new_tokens)
     t0 = time.perf_counter()
@@ -322,9 +342,11 @@ class SimulatedCluster:
     self.router.routed(route, pick)
     route_s = time.perf_counter() - t0
     try:
-      self.replicas[pick].submit(request, route, route_s, self.store)
+      self.replicas[pick].submit(request, route, route_s, self.store, at)
     except RequestError as e:
       self.rejected.append((request.request_id, pick, str(e)))
+      if self.max_in_flight is not None:  # refused: its slot is free again at once
+        heapq.heappush(self._slots, at or request.arrival_time)
 
   def _finished(self, replica: Replica, c) -> None:
     request, cached, route_s, shared = replica.requests.pop(c.request_id)
