@@ -226,7 +226,7 @@ def matmul_floor_fn(model_cfg, params, batch: int, linear_impl: str = 'xla'):
            ('mlp', 'gate_proj'), ('mlp', 'up_proj'), ('mlp', 'down_proj')]
   per_layer = [[jnp.array(lay[a][n]['kernel'][i]) for a, n in names]
                for i in range(model_cfg.num_layers)]
-  kernel = linear_cpu.resolve(linear_impl) == 'cpu'
+  kernel = linear_cpu.resolve(linear_impl) in linear_cpu.KERNEL_IMPLS
   mm = (lambda a, w: linear_cpu.linear(a, w)) if kernel else jnp.dot
   if model_cfg.tie_embeddings and kernel:
     head = jnp.array(p['embed']['embedding'])  # [V, D], read in place by the kernel

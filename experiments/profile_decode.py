@@ -455,8 +455,8 @@ def profile_batch(config, model_cfg, params, tokenizer, batch: int, workdir: str
     row[f'{name}_ms'] = ms
     row[f'{name}_share'] = ms / row['step_ms']
   row['floor_ms'] = 1e3 * floor
-  if prof.kernel_floor and linear_cpu.resolve(prof.linear_impl) == 'cpu' and (
-      linear_cpu.MIN_ROWS <= batch <= linear_cpu.MAX_ROWS):
+  kernel = linear_cpu.resolve(prof.linear_impl) in linear_cpu.KERNEL_IMPLS
+  if prof.kernel_floor and kernel and linear_cpu.MIN_ROWS <= batch <= linear_cpu.MAX_ROWS:
     row['floor_ms_kernel'] = 1e3 * timed_floor(model_cfg, params, batch, 'cpu', prof.floor_calls)
   row['step_over_floor'] = row['step_ms'] / row['floor_ms'] if row['step_ms'] else None
   row.update(throughput(row, model_cfg, row['rows']))

@@ -19,8 +19,17 @@ under ~/.cache/pagedjax/kernels by a hash of sources, flags, compiler, jax versi
 headers); without
 a compiler `available()` is False and `linear_impl='auto'` stays on XLA's dots.
 
+`linear_many(x, [w_q, w_k, w_v])` runs several Dense kernels of one x in one call (a second FFI
+target of the same library): one dispatch of the thread pool for all their column blocks
+instead of one per matmul, each result bit-identical to its own call. It is opt-in
+('cpu_fused'): on SmolLM2-135M the decode step fused / unfused measured 0.98 at batch 8 and
+0.99 at batch 32, within the noise of a machine under load (docs/decode_speed.md), as the
+profile predicts (experiments/profile_decode.py: the pool's dispatch is a few microseconds of
+each call, the kernel's time is its reading of W).
+
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
-XLA's dots otherwise), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
+XLA's dots otherwise), 'cpu_fused' ('cpu' with q/k/v and gate/up each as one linear_many call:
+llama.py), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
 """
 import functools
 
@@ -31,8 +40,10 @@ import numpy as np
 from . import cpu
 
 TARGET = 'pagedjax_linear_cpu'
+MULTI_TARGET = 'pagedjax_linear_multi_cpu'  # several Dense kernels of one x: linear_many
 SOURCES = ('linear_cpu.cc', 'linear_cpu_body.inc', 'cpu_parallel.inc')
-LINEAR_IMPLS = ('auto', 'xla', 'cpu')
+LINEAR_IMPLS = ('auto', 'xla', 'cpu', 'cpu_fused')
+KERNEL_IMPLS = ('cpu', 'cpu_fused')  # the impls that run the kernel
 # The rows (x's leading axes together) for which the model's linear layers run the kernel. Above
 # MAX_ROWS (prefill chunks: rows x chunk tokens) XLA's packed GEMMs are compute-bound and the
 # kernel is not faster; at one row XLA's own matrix-vector loop measured faster than the
@@ -42,8 +53,16 @@ MIN_ROWS, MAX_ROWS = 2, 64
 
 @functools.lru_cache(maxsize=None)
 def _load():
-  """(ctypes library, None) once built, loaded and registered; (None, reason) otherwise."""
-  return cpu.load_library('linear_cpu', SOURCES, TARGET, 'LinearCpu')
+  """(ctypes library, None) once built, loaded and both its handlers registered; (None,
+  reason) otherwise."""
+  lib, reason = cpu.load_library('linear_cpu', SOURCES, TARGET, 'LinearCpu')
+  if lib is not None:
+    try:
+      jax.ffi.register_ffi_target(MULTI_TARGET, jax.ffi.pycapsule(lib.LinearMultiCpu),
+                                  platform='cpu')
+    except (AttributeError, RuntimeError) as e:
+      return None, str(e)
+  return lib, reason
 
 
 def available():
@@ -66,10 +85,15 @@ def resolve(impl: str) -> str:
     raise ValueError(f'linear_impl={impl!r} is not allowed: one of {LINEAR_IMPLS}')
   if impl == 'auto':
     return 'cpu' if jax.default_backend() == 'cpu' and available() else 'xla'
-  if impl == 'cpu' and not available():
-    raise RuntimeError(f'linear_impl="cpu" needs the native kernel, which is unavailable: '
+  if impl in KERNEL_IMPLS and not available():
+    raise RuntimeError(f'linear_impl="{impl}" needs the native kernel, which is unavailable: '
                        f'{unavailable_reason()}; use linear_impl="xla"')
   return impl
+
+
+def fuses(impl: str) -> bool:
+  """Whether linear_impl runs q/k/v and gate/up as one kernel call each (linear_many)."""
+  return resolve(impl) == 'cpu_fused'
 
 
 def runs_kernel(x, w) -> bool:
@@ -103,6 +127,33 @@ def kernel(x, w, *, transposed=False):
                           vmap_method='sequential')
   y = call(x.reshape(rows, k), w, transposed=np.int64(bool(transposed)))
   return y.reshape(*x.shape[:-1], n)
+
+
+def linear_many(x, ws, *, impl='cpu') -> list:
+  """[x @ w for w in ws] for Dense kernels w [K, N_j] of one x [..., K] (q/k/v, gate/up): one
+  kernel call for all of them where the kernel runs for every one (runs_kernel), each result
+  equal bit for bit to its own `linear` call; XLA's dots otherwise."""
+  impl = resolve(impl)
+  if impl == 'xla' or not all(runs_kernel(x, w) for w in ws):
+    return [jnp.dot(x, w) for w in ws]
+  return kernel_many(x, ws)
+
+
+def kernel_many(x, ws) -> list:
+  """The native kernel for several Dense kernels at once, any row count: x [..., K] float32,
+  ws [K, N_j] float32 -> [[..., N_j]] float32; the pool's threads are handed every output's
+  work in one dispatch."""
+  if not available():
+    raise RuntimeError(f'the native linear kernel is unavailable: {unavailable_reason()}')
+  k = x.shape[-1]
+  for w in ws:
+    if w.ndim != 2 or w.shape[0] != k:
+      raise ValueError(f'linear_many: x {x.shape} and w {w.shape} do not contract')
+  rows = int(np.prod(x.shape[:-1]))
+  call = jax.ffi.ffi_call(MULTI_TARGET, [jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32)
+                                         for w in ws], vmap_method='sequential')
+  ys = call(x.reshape(rows, k), *ws)
+  return [y.reshape(*x.shape[:-1], w.shape[1]) for y, w in zip(ys, ws)]
 
 
 def dot_general(impl: str):

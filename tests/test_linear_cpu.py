@@ -1,8 +1,9 @@
 """The native CPU linear-layer kernel (kernels/linear_cpu.py): against a float64 oracle for both
 weight layouts, row counts around its register tiles and column / depth tails; the dispatch
-rules (XLA's dot for prefill-sized calls, non-float32 operands and other contractions); and the
-engine on a tiny model with the kernel against XLA's dots: the same greedy tokens, logits within
-float32 rounding."""
+rules (XLA's dot for prefill-sized calls, non-float32 operands and other contractions); several
+outputs in one call (linear_many) against one call each, and the model with q/k/v and gate/up
+fused against unfused; and the engine on a tiny model with the kernel against XLA's dots: the
+same greedy tokens, logits within float32 rounding."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +45,51 @@ def test_kernel_matches_the_float64_oracle(transposed):
 
 
 @needs_kernel
+def test_many_outputs_in_one_call_equal_their_own_calls_bit_for_bit():
+  """linear_many (q/k/v, gate/up shapes and tails; 2 rows: the streaming path, 1 row: the kernel
+  itself) against one kernel call per weight: identical floats; one custom call in the
+  program; below MIN_ROWS, XLA's dots."""
+  rng = np.random.default_rng(1)
+  many = jax.jit(lambda x, *ws: linear_cpu.kernel_many(x, list(ws)))
+  one = jax.jit(linear_cpu.kernel)
+  for rows, k, ns in ((2, 300, (48, 24, 24)), (7, 64, (96, 96)), (5, 37, (19, 200, 8)),
+                      (1, 300, (67,))):
+    x = rng.standard_normal((rows, k), np.float32)
+    ws = [rng.standard_normal((k, n), np.float32) for n in ns]
+    for got, w in zip(many(x, *ws), ws):
+      assert np.array_equal(np.asarray(got), np.asarray(one(x, w))), (rows, k, ns)
+  x = jnp.ones((2, 3, 8), jnp.float32)
+  ws = [jnp.ones((8, 4)), jnp.ones((8, 6))]
+  text = jax.jit(lambda x, *ws: linear_cpu.linear_many(x, list(ws))).lower(x, *ws).as_text()
+  assert text.count(linear_cpu.MULTI_TARGET) == 1 and linear_cpu.TARGET + '"' not in text
+  assert [y.shape for y in linear_cpu.linear_many(x, ws)] == [(2, 3, 4), (2, 3, 6)]
+  text = jax.jit(lambda x, *ws: linear_cpu.linear_many(x, list(ws))).lower(x[:1, :1], *ws)
+  assert linear_cpu.MULTI_TARGET not in text.as_text()
+
+
+@needs_kernel
+def test_fused_projections_give_the_unfused_logits():
+  """Llama(linear_impl='cpu_fused'): q/k/v and gate/up as one kernel call each (two in the
+  scanned layer body, the params tree unchanged), with and without q/k/v biases: the same logits as 'cpu' and the
+  same greedy tokens, over a 2 x 5 chunk (10 rows: the kernel runs)."""
+  cfg, params, _ = tiny('gqa')
+  biased = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       head_dim=16, ffn_dim=64, max_seq_len=64, qkv_bias=True)
+  tokens = jnp.asarray([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+  positions = jnp.broadcast_to(jnp.arange(5), tokens.shape)
+  for model_cfg, p in ((cfg, params), (biased, init_params(biased, seed=4))):
+    if model_cfg.qkv_bias:  # nonzero biases, so that adding them is tested
+      p = jax.tree_util.tree_map_with_path(
+          lambda path, x: x + 0.1 if 'bias' in jax.tree_util.keystr(path) else x, p)
+    run = {impl: jax.jit(lambda p, t, impl=impl: Llama(model_cfg, linear_impl=impl).apply(
+        p, t, positions)[0]) for impl in ('cpu_fused', 'cpu')}
+    assert run['cpu_fused'].lower(p, tokens).as_text().count(linear_cpu.MULTI_TARGET) == 2
+    fused, separate = (np.asarray(run[i](p, tokens)) for i in ('cpu_fused', 'cpu'))
+    np.testing.assert_allclose(fused, separate, atol=2e-5, rtol=0)
+    assert (fused.argmax(-1) == separate.argmax(-1)).all()
+
+
+@needs_kernel
 def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
   """Leading axes fold into rows; below MIN_ROWS (a lone row) and above MAX_ROWS rows, for
   bfloat16 operands and for other contractions the dot is XLA's (no custom call in the
@@ -64,6 +110,7 @@ def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
   np.testing.assert_allclose(np.asarray(dot(x, w, (((2,), (0,)), ((), ())))),
                              np.asarray(x) @ np.asarray(w), rtol=1e-6)
   assert linear_cpu.resolve('auto') == 'cpu' and linear_cpu.resolve('xla') == 'xla'
+  assert linear_cpu.fuses('cpu_fused') and not linear_cpu.fuses('auto')
   with pytest.raises(ValueError, match=r"linear_impl='blas' is not allowed: one of"):
     linear_cpu.resolve('blas')
 

@@ -3,6 +3,9 @@
 // kernel, [in, out]) or as [N, K] (attribute transposed = 1: a tied embedding as the output
 // head, x @ E^T, with no transposed copy).
 //
+// LinearMultiCpu is the same for several Dense kernels of one x (q/k/v, gate/up): every output's
+// tasks handed out together, one dispatch of the pool per call.
+//
 // Work: with W [K, N] and 1-2 rows, W's rows in fixed ranges of kStreamK, one task each, streamed
 // whole into partial sums that are then added in range order. Otherwise y's columns are cut into
 // blocks, one task per block, handed out over XLA's intra-op
@@ -86,6 +89,77 @@ int64_t block_columns(int64_t n, int64_t threads) {
   return std::max(kMinBlockColumns, cols);
 }
 
+// One output of a call with W [K, N]: y [M, n] = x [M, K] @ w [K, n].
+struct Output {
+  const float* w;
+  int64_t n;
+  float* y;
+};
+
+// y = x @ w for every output, all their tasks handed out over the pool together (one dispatch of
+// the pool's threads however many outputs), each output computed exactly as alone: the split of
+// the work changes no element's order of sums.
+void linear_kn(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
+               const std::vector<Output>& outs) {
+  const int64_t threads = pool.num_threads();
+  if (M <= kStreamMaxRows && K > kStreamK) {
+    // Each task's sums over its kStreamK rows of one W, then every y = its sums in range order.
+    const ColumnsFn stream = stream_for();
+    const int64_t ranges = (K + kStreamK - 1) / kStreamK;
+    std::vector<int64_t> first(outs.size() + 1, 0);  // where each output's elements begin
+    for (size_t j = 0; j < outs.size(); ++j) first[j + 1] = first[j] + M * outs[j].n;
+    const int64_t elements = first.back();
+    std::vector<float> parts(size_t(ranges * elements));  // [ranges, elements]
+    parallel_for(pool, int64_t(outs.size()) * ranges, [&](int64_t t) {
+      const size_t j = size_t(t / ranges);
+      const int64_t r = t % ranges;
+      stream(xp, M, K, outs[j].w, outs[j].n, parts.data() + r * elements + first[j],
+             r * kStreamK, std::min(K, (r + 1) * kStreamK));
+    });
+    const int64_t cols = block_columns(elements, threads);
+    parallel_for(pool, (elements + cols - 1) / cols, [&](int64_t i) {
+      const int64_t e0 = i * cols, e1 = std::min(elements, (i + 1) * cols);
+      for (size_t j = 0; j < outs.size(); ++j) {
+        for (int64_t e = std::max(e0, first[j]); e < std::min(e1, first[j + 1]); ++e) {
+          float s = parts[e];
+          for (int64_t r = 1; r < ranges; ++r) s += parts[r * elements + e];
+          outs[j].y[e - first[j]] = s;
+        }
+      }
+    });
+    return;
+  }
+  // Column blocks of every output, sized on the outputs' columns together.
+  int64_t total = 0;
+  for (const Output& o : outs) total += o.n;
+  const int64_t cols = block_columns(total, threads);
+  struct Block {
+    size_t out;
+    int64_t n0, n1;
+  };
+  std::vector<Block> blocks;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    for (int64_t n0 = 0; n0 < outs[j].n; n0 += cols) {
+      blocks.push_back({j, n0, std::min(outs[j].n, n0 + cols)});
+    }
+  }
+  const ColumnsFn columns = columns_for(false);
+  parallel_for(pool, int64_t(blocks.size()), [&](int64_t i) {
+    const Block& b = blocks[size_t(i)];
+    const Output& o = outs[b.out];
+    columns(xp, M, K, o.w, o.n, o.y, b.n0, b.n1);
+  });
+}
+
+ffi::Error shape_error(int64_t M, int64_t K, ffi::AnyBuffer::Dimensions wd, int64_t transposed,
+                       ffi::AnyBuffer::Dimensions yd) {
+  return ffi::Error::InvalidArgument(
+      "linear_cpu: shapes disagree: x [" + std::to_string(M) + ", " + std::to_string(K) +
+      "], w [" + std::to_string(wd[0]) + ", " + std::to_string(wd[1]) + "] (transposed=" +
+      std::to_string(transposed) + "), y [" + std::to_string(yd[0]) + ", " +
+      std::to_string(yd[1]) + "]");
+}
+
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -95,11 +169,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t M = xd[0], K = xd[1];
   const int64_t N = transposed ? wd[0] : wd[1];
   if ((transposed ? wd[1] : wd[0]) != K || yd[0] != M || yd[1] != N) {
-    return ffi::Error::InvalidArgument(
-        "linear_cpu: shapes disagree: x [" + std::to_string(M) + ", " + std::to_string(K) +
-        "], w [" + std::to_string(wd[0]) + ", " + std::to_string(wd[1]) + "] (transposed=" +
-        std::to_string(transposed) + "), y [" + std::to_string(yd[0]) + ", " +
-        std::to_string(yd[1]) + "]");
+    return shape_error(M, K, wd, transposed, yd);
   }
   float* out = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
@@ -109,31 +179,47 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   }
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
-  if (!transposed && M <= kStreamMaxRows && K > kStreamK) {
-    // Each task's sums over its kStreamK rows of W, then y = their sum in task order.
-    const ColumnsFn stream = stream_for();
-    const int64_t tasks = (K + kStreamK - 1) / kStreamK;
-    std::vector<float> parts(size_t(tasks * M * N));
-    parallel_for(pool, tasks, [&](int64_t t) {
-      stream(xp, M, K, wp, N, parts.data() + t * M * N, t * kStreamK,
-             std::min(K, (t + 1) * kStreamK));
-    });
-    const int64_t cols = block_columns(M * N, pool.num_threads());
-    parallel_for(pool, (M * N + cols - 1) / cols, [&](int64_t i) {
-      const int64_t e1 = std::min(M * N, (i + 1) * cols);
-      for (int64_t e = i * cols; e < e1; ++e) {
-        float s = parts[e];
-        for (int64_t t = 1; t < tasks; ++t) s += parts[t * M * N + e];
-        out[e] = s;
-      }
-    });
+  if (!transposed) {
+    linear_kn(pool, xp, M, K, {Output{wp, N, out}});
     return ffi::Error::Success();
   }
-  const ColumnsFn columns = columns_for(transposed != 0);
+  const ColumnsFn columns = columns_for(true);
   const int64_t cols = block_columns(N, pool.num_threads());
   parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
     columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));
   });
+  return ffi::Error::Success();
+}
+
+// Several Dense kernels of one input in one call: y_j = x @ W_j for W_j [K, N_j] (q/k/v, or
+// gate/up), each W_j read in place; results equal to one Linear call per W_j, bit for bit.
+ffi::Error LinearMulti(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                       ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("linear_cpu: x must be 2-D");
+  if (ws.size() != ys.size() || ws.size() == 0) {
+    return ffi::Error::InvalidArgument("linear_cpu: as many outputs as weights, at least one");
+  }
+  const int64_t M = xd[0], K = xd[1];
+  std::vector<Output> outs;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(j);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("linear_cpu: weights and outputs must be float32");
+    }
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2) {
+      return ffi::Error::InvalidArgument("linear_cpu: w and y must be 2-D");
+    }
+    if (wd[0] != K || yd[0] != M || yd[1] != wd[1]) return shape_error(M, K, wd, 0, yd);
+    if (M > 0 && wd[1] > 0 && K == 0) {
+      std::memset((*y)->typed_data(), 0, sizeof(float) * size_t(M) * size_t(wd[1]));
+    } else if (M > 0 && wd[1] > 0) {
+      outs.push_back(Output{w->typed_data(), wd[1], (*y)->typed_data()});
+    }
+  }
+  if (!outs.empty()) linear_kn(pool, x.typed_data(), M, K, outs);
   return ffi::Error::Success();
 }
 
@@ -146,6 +232,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearCpu, pagedjax_cpu::Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [K, N] or [N, K]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearMultiCpu, pagedjax_cpu::LinearMulti,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .RemainingArgs()               // w_j [K, N_j]
+                                  .RemainingRets());             // y_j [M, N_j]
 
 // Which copy of the kernel body this CPU runs (kernels/linear_cpu.py reports it): 1 for AVX2.
 extern "C" int LinearCpuUsesAvx2() { return pagedjax_cpu::linear_uses_avx2() ? 1 : 0; }

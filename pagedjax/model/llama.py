@@ -55,9 +55,10 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------------
 # The linear layers' matmuls (linear_impl): 'xla' is XLA's dot; 'cpu' the native kernel
 # (kernels/linear_cpu.py) for float32 calls of linear_cpu.MIN_ROWS to MAX_ROWS rows (decode
-# steps of 2-64 rows), XLA's dot otherwise; 'auto' is 'cpu' on a CPU backend where the kernel
-# builds, else 'xla'. Same params, same math; the kernel sums in its own fixed order (float32
-# rounding differences).
+# steps of 2-64 rows), XLA's dot otherwise; 'cpu_fused' is 'cpu' with q/k/v and gate/up each in
+# one kernel call (dense_group); 'auto' is 'cpu' on a CPU backend where the kernel builds, else
+# 'xla'. Same params, same math; the kernel sums in its own fixed order (float32 rounding
+# differences), the same order fused or not.
 # ------------------------------------------------------------------------------------------------
 def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias: bool = False):
   """nn.Dense whose matmul runs as linear_impl says."""
@@ -65,10 +66,40 @@ def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias:
                   dot_general=linear_cpu.dot_general(linear_impl))
 
 
+class DenseParams(nn.Module):
+  """nn.Dense's parameters (kernel [in, out]; bias [out] with use_bias): the same names, shapes,
+  dtype and initializers, returned instead of applied, for dense_group's one call."""
+  features: int
+  use_bias: bool = False
+
+  @nn.compact
+  def __call__(self, in_features: int):
+    kernel = self.param('kernel', nn.linear.default_kernel_init, (in_features, self.features),
+                        jnp.float32)
+    bias = (self.param('bias', nn.initializers.zeros_init(), (self.features,), jnp.float32)
+            if self.use_bias else None)
+    return kernel, bias
+
+
+def dense_group(x, features, names, dtype, linear_impl: str, use_bias: bool = False) -> list:
+  """[dense(f, name, ...)(x) for each feature count and name]: several Dense layers of one input
+  (q/k/v, gate/up). Where linear_impl fuses ('cpu_fused', kernels/linear_cpu.py) and the
+  kernel runs for x, one linear_many call multiplies them all, each kernel read in place: the
+  same params, each output bit for bit its own call's."""
+  shapes = [jax.ShapeDtypeStruct((x.shape[-1], f), jnp.float32) for f in features]
+  if not (linear_cpu.fuses(linear_impl) and dtype == jnp.float32
+          and all(linear_cpu.runs_kernel(x, w) for w in shapes)):
+    return [dense(f, name, dtype, linear_impl, use_bias)(x) for f, name in zip(features, names)]
+  params = [DenseParams(f, use_bias, name=name)(x.shape[-1]) for f, name in zip(features, names)]
+  ys = linear_cpu.linear_many(x, [kernel for kernel, _ in params], impl=linear_impl)
+  return [y if bias is None else y + bias for y, (_, bias) in zip(ys, params)]
+
+
 def tied_logits(x, embedding, linear_impl: str):
   """The tied head x [..., D] @ embedding.T (nn.Embed.attend for float32 x and embedding [V, D])
   through linear_impl: the kernel reads the embedding in place as the transposed operand."""
-  if linear_cpu.resolve(linear_impl) == 'cpu' and linear_cpu.runs_kernel(x, embedding):
+  if linear_cpu.resolve(linear_impl) in linear_cpu.KERNEL_IMPLS and linear_cpu.runs_kernel(
+      x, embedding):
     return linear_cpu.linear(x, embedding, transposed=True)
   return jnp.dot(x, embedding.T)
 
@@ -140,9 +171,10 @@ class Attention(nn.Module):
     cfg = self.cfg
     proj = lambda n, name, bias=False: dense(n, name, DTYPES[cfg.dtype], self.linear_impl, bias)
     b, t, _ = x.shape
-    q = proj(cfg.num_heads * cfg.head_dim, 'q_proj', cfg.qkv_bias)(x)
-    k = proj(cfg.num_kv_heads * cfg.head_dim, 'k_proj', cfg.qkv_bias)(x)
-    v = proj(cfg.num_kv_heads * cfg.head_dim, 'v_proj', cfg.qkv_bias)(x)
+    q, k, v = dense_group(
+        x, (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim), ('q_proj', 'k_proj', 'v_proj'),
+        DTYPES[cfg.dtype], self.linear_impl, cfg.qkv_bias)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -165,10 +197,10 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    proj = lambda n, name: dense(n, name, DTYPES[self.cfg.dtype], self.linear_impl)
-    hidden = nn.silu(proj(self.cfg.ffn_dim, 'gate_proj')(x)) * proj(self.cfg.ffn_dim,
-                                                                      'up_proj')(x)
-    return proj(self.cfg.d_model, 'down_proj')(hidden)
+    dtype = DTYPES[self.cfg.dtype]
+    gate, up = dense_group(x, (self.cfg.ffn_dim, self.cfg.ffn_dim), ('gate_proj', 'up_proj'),
+                           dtype, self.linear_impl)
+    return dense(self.cfg.d_model, 'down_proj', dtype, self.linear_impl)(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
