@@ -274,7 +274,8 @@ def profile_decode(engine, prompts, profile_dir: str, steps: int = PROFILE_STEPS
   params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_on_eos=False)
   for prompt in prompts:
     engine.submit(prompt, params)
-  while engine.has_work() and not all(s.num_pending == 0 for s in engine.running):
+  while engine.has_work() and (len(engine.running) < len(prompts) or any(
+      s.num_cached < len(s.prompt_ids) for s in engine.running)):  # until every one decodes
     engine.step()
   engine.step()
   os.makedirs(profile_dir, exist_ok=True)
