@@ -63,7 +63,7 @@ REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'laten
 ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
-                  'same_tokens_as_single', 'idle_ttft_s', 'start_s', 'replay_s',
+                  'same_tokens_as_single', 'keys_handed', 'idle_ttft_s', 'start_s', 'replay_s',
                   'sim_prefix_hit_rate_tokens',
                   'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
                   'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50')
@@ -349,6 +349,8 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       'imbalance_requests': (max(per_replica) / np.mean(per_replica)
                              if per_replica and np.mean(per_replica) else None),
       'idle_ttft_s': quantile(idle, 50),
+      # requests whose engine took the router's chain keys instead of hashing the prompt
+      'keys_handed': sum(x.get('keys_handed', 0) for x in summaries.values()),
       'start_s': deployment.start_s, 'replay_s': replay_s,
       'replica_requests': per_replica,
       'replica_summaries': {uid: {k: x.get(k) for k in (

@@ -91,10 +91,11 @@ class RouteRequest:
     computed here, so its prefix cache does not hash the prompt again: only keys of the
     engine's block size and the request's salt, one per full block, and only to a sequence of
     these very token ids that has none yet (a request that reached another replica, or came
-    over the wire, is checked the same way). True when handed."""
+    over the wire, is checked the same way). True when handed (a prompt shorter than a block
+    has none to hand)."""
     keys = self._keys.get(engine.block_size)
     seq = engine.completions.live.get(request_id)
-    if (keys is None or seq is None or seq.block_keys or seq.params.cache_salt != self.salt or
+    if (not keys or seq is None or seq.block_keys or seq.params.cache_salt != self.salt or
         seq.prompt_ids != list(self.prompt_ids) or
         len(keys) != len(seq.prompt_ids) // engine.block_size):
       return False
