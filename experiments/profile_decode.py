@@ -11,7 +11,8 @@ library dot), named by the instruction (args.hlo_op); the step's optimized HLO (
 compiled ahead of time and run in that form, RecordingStep) says what each is.
 
 Each traced iteration's step is the window from the jitted call's dispatch (PjitFunction(step)
-on the Python thread) to the end of its execution (ThunkExecutor::Execute). Every microsecond of
+on the Python thread) to the end of its execution (the ThunkExecutor::Execute events after it,
+on whichever threads the executor ran parts of the program). Every microsecond of
 that window goes to exactly one category (`attribute`): the op running then (the innermost, where
 one op's events hold another's, as a conditional holds its branch; split evenly where ops of
 different threads overlap), `dispatch` before the first op starts, `gaps` between ops. So the
@@ -48,7 +49,8 @@ split by measurement instead, and every row says so (`decomposition`): `matmuls_
 Writes WORKDIR/summary.json, results.csv (a row per batch: ms per step and share of each
 category, floor, GB/s, GFLOP/s), ops.csv (a row per batch and HLO instruction: category, JAX
 name, microseconds per step), table.md, profile_decode.png (stacked bars, ms per step by
-category per batch, the floor marked) and trace/B<batch>/ (the traces, for Perfetto or xprof).
+category per batch, the floor marked) and trace/B<batch>/ (the traces, for Perfetto or xprof,
+and step.hlo.txt, the optimized HLO the ops' names refer to).
 """
 import collections
 import glob
@@ -116,9 +118,9 @@ _DIMS = re.compile(r'[a-z]\d*\[([\d,]*)\]')
 
 
 def parse_hlo(text: str) -> dict:
-  """Optimized HLO text -> {instruction name: dict(opcode, dims (of its result, a list of
-  tuples), target (a custom call's), op_name (its JAX name), opcodes (its own and, for a
-  fusion, every fused computation's, recursively))}."""
+  """Optimized HLO text -> {instruction name: dict(opcode, operands (their text), dims (of its
+  result, a list of tuples), target (a custom call's), op_name (its JAX name), opcodes (its own
+  and, for a fusion, every fused computation's, recursively))}."""
   computations, current, called = {}, None, {}
   for line in text.splitlines():
     stripped = line.strip()
@@ -137,7 +139,13 @@ def parse_hlo(text: str) -> dict:
     target = re.search(r'custom_call_target="([^"]*)"', rhs)
     op_name = re.search(r'op_name="([^"]*)"', rhs)
     calls = re.search(r'calls=%?([\w.\-]+)', rhs)
-    info = dict(opcode=opcode.group(1),
+    depth, close = 1, len(rhs)
+    for i in range(opcode.end(), len(rhs)):  # the operand list: to the matching ')'
+      depth += {'(': 1, ')': -1}.get(rhs[i], 0)
+      if depth == 0:
+        close = i
+        break
+    info = dict(opcode=opcode.group(1), operands=rhs[opcode.end():close],
                 dims=[tuple(int(d) for d in m.split(',') if d) for m in _DIMS.findall(type_part)],
                 target=target.group(1) if target else None,
                 op_name=op_name.group(1) if op_name else '')
@@ -222,10 +230,12 @@ def _end(e) -> float:
 def step_windows(events: list) -> list:
   """Per traced iteration (a `decode_iteration` annotation): dict(start, first_op, end,
   iteration_start, iteration_end, ops): the step from its dispatch to the end of its execution,
-  and the ops (events naming an hlo_op) that started inside it. first_op is the execution's
-  start (where dispatch ends)."""
+  and the ops (events naming an hlo_op) inside it. The execution is every ThunkExecutor::Execute
+  event after the dispatch (the executor may hand the rest of a program to pool threads, each
+  part an event of its own, the first returning at once, and wait for them: '... (wait for
+  completion)'); first_op is its start, where dispatch ends."""
   iterations = [e for e in events if e['name'] == ITERATION]
-  executions = [e for e in events if e['name'] == EXECUTE]
+  executions = [e for e in events if e['name'].startswith(EXECUTE)]
   ops = [e for e in events if isinstance(e.get('args'), dict) and 'hlo_op' in e['args']]
   windows = []
   for it in iterations:
@@ -235,10 +245,9 @@ def step_windows(events: list) -> list:
     runs = [e for e in executions if (start or t0) <= float(e['ts']) <= t1]
     if not runs:
       continue
-    run = runs[0]
+    begin, end = min(float(e['ts']) for e in runs), max(_end(e) for e in runs)
     if start is None:  # no dispatch event: the window is the execution alone
-      start = float(run['ts'])
-    begin, end = float(run['ts']), _end(run)
+      start = begin
     mine = [e for e in ops if begin <= float(e['ts']) <= end]
     windows.append(dict(start=start, first_op=begin, end=end, iteration_start=t0,
                         iteration_end=t1, ops=mine))
@@ -367,7 +376,9 @@ def copy_bandwidth(megabytes: float, repeats: int = 3) -> float:
   return src.nbytes / best
 
 
-PROJECTION = re.compile(r'/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/')
+# A projection by its JAX name (.../layer_3/mlp/up_proj/...) or, where XLA dropped the name (its
+# 1-row dots), by its weight operand (%params__params____layer_3____mlp____up_proj____kernel__).
+PROJECTION = re.compile(r'(?<![a-z])(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)(?![a-z])')
 
 
 def projection_floats(model_cfg) -> dict:
@@ -386,7 +397,7 @@ def by_projection(op_rows: list, model_cfg) -> dict:
   floats = projection_floats(model_cfg)
   out = {name: {'ms': 0.0, 'calls': 0.0} for name in floats}
   for o in op_rows:
-    match = PROJECTION.search(o['jax_name'])
+    match = PROJECTION.search(o['jax_name']) or PROJECTION.search(o['operands'])
     if o['category'] in ('linear_kernel', 'linear_xla') and match:
       out[match.group(1)]['ms'] += o['us_per_step'] / 1e3
       out[match.group(1)]['calls'] += o['calls_per_step']
@@ -420,7 +431,8 @@ def profile_batch(config, model_cfg, params, tokenizer, batch: int, workdir: str
   steady_decode(engine, prompts, prof.steps, prof.warmup_steps)
   compiled_before = step.num_compilations
   first = len(engine.metrics.steps['device_s'])
-  path = trace_steps(engine, prof.steps, os.path.join(workdir, 'trace', f'B{batch}'))
+  trace_dir = os.path.join(workdir, 'trace', f'B{batch}')
+  path = trace_steps(engine, prof.steps, trace_dir)
   compiled_in_trace = step.num_compilations - compiled_before
   device_s = list(engine.metrics.steps['device_s'])[first:]
   host_s = list(engine.metrics.steps['host_s'])[first:]
@@ -437,8 +449,11 @@ def profile_batch(config, model_cfg, params, tokenizer, batch: int, workdir: str
   op_rows = []
   if row['op_events']:
     row['decomposition'] = 'traced'
+    hlo_text = step.optimized_hlo()
+    with run_info.atomic_write(os.path.join(trace_dir, 'step.hlo.txt')) as f:
+      f.write(hlo_text)  # what the ops' names refer to
     totals, ops, row['unmatched_ops'] = decompose(
-        windows, parse_hlo(step.optimized_hlo()), model_cfg.vocab_size, step.last['pool_dims'])
+        windows, parse_hlo(hlo_text), model_cfg.vocab_size, step.last['pool_dims'])
     op_rows = [{'batch': batch, **o} for o in ops]
     row['projections'] = by_projection(ops, model_cfg)
     row['step_ms'] = statistics.fmean(step_ms)
@@ -486,6 +501,7 @@ def decompose(windows: list, hlo: dict, vocab_size: int, pool_dims) -> tuple:
   op_rows = [{'hlo_op': name, 'category': category.get(name, 'other_ops'),
               'jax_name': hlo.get(name, {}).get('op_name', ''),
               'opcode': hlo.get(name, {}).get('opcode', ''),
+              'operands': hlo.get(name, {}).get('operands', ''),
               'us_per_step': us / n, 'calls_per_step': calls[name] / n}
              for name, us in op_us.most_common()]
   return totals, op_rows, sorted(unmatched)

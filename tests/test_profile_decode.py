@@ -33,6 +33,25 @@ def test_attribute_gives_every_microsecond_to_one_category():
   assert sum(by_category.values()) == pytest.approx(100.0)
 
 
+def test_step_windows_take_the_whole_execution():
+  """An iteration whose program's execution the executor split: the first part returns at once,
+  the rest runs on a pool thread while the caller waits. The window runs from the call's
+  dispatch to the last part's end and holds the ops of both threads; an op outside it is not
+  the step's."""
+  ev = lambda name, ts, dur, tid=1, **args: {'name': name, 'ts': ts, 'dur': dur, 'tid': tid,
+                                             'ph': 'X', 'args': args}
+  events = [ev('decode_iteration', 0, 100), ev('PjitFunction(jit(step))', 5, 10),
+            ev('ThunkExecutor::Execute', 20, 2, tid=2),
+            ev('ThunkExecutor::Execute (wait for completion)', 22, 60, tid=2),
+            ev('ThunkExecutor::Execute', 23, 58, tid=3), _op('a', 20.5, 1, tid=2),
+            _op('b', 25, 50, tid=3), _op('late', 90, 5, tid=3)]
+  (window,) = profile_decode.step_windows(sorted(events, key=lambda e: e['ts']))
+  assert (window['start'], window['first_op'], window['end']) == (5, 20, 82)
+  assert [e['args']['hlo_op'] for e in window['ops']] == ['a', 'b']
+  by_category, _ = profile_decode.attribute(window, lambda e: 'op')
+  assert by_category == pytest.approx({'dispatch': 15, 'op': 51, 'gaps': 11})
+
+
 HLO = """HloModule jit_step, entry_computation_layout={()->f32[2]{0}}
 
 %fused_gather (p0: f32[97,8], p1: s32[2]) -> f32[2,8] {
