@@ -354,7 +354,7 @@ def trace_steps(engine, steps: int, trace_dir: str) -> str:
   """`steps` decode iterations under jax.profiler, each in a `decode_iteration` annotation ->
   the JSON trace's path."""
   os.makedirs(trace_dir, exist_ok=True)
-  options = jax.profiler.ProfileOptions()
+  options = getattr(jax.profiler, 'ProfileOptions', lambda: None)()
   if hasattr(options, 'python_tracer_level'):
     options.python_tracer_level = 0  # no Python frames: the host's own events stay
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=options):
@@ -599,24 +599,31 @@ def plot(path: str, rows: list, title_note: str) -> None:
   x = np.arange(len(rows))
   bottom = np.zeros(len(rows))
   cmap = plt.get_cmap('tab20')
+  bars, lines = [], []  # legend handles
   for i, (c, words) in enumerate(categories_of(rows)):
     ms = np.array([r.get(f'{c}_ms') or 0.0 for r in rows])
     if not ms.any():
       continue
-    ax.bar(x, ms, 0.6, bottom=bottom, label=words, color=cmap(i))
+    bars.append(ax.bar(x, ms, 0.6, bottom=bottom, label=words, color=cmap(i)))
     bottom += ms
-  ax.scatter(x, [r['floor_ms'] for r in rows], marker='_', s=900, color='black', zorder=3,
-             label='matmul floor, XLA dots (timed alone)')
-  if any('floor_ms_kernel' in r for r in rows):
-    ax.scatter(x, [r.get('floor_ms_kernel', np.nan) for r in rows], marker='_', s=900,
-               color='tab:red', zorder=3, label='matmul floor, native kernel')
+  floors = [('floor_ms', 'black', 'matmul floor, XLA dots (timed alone)'),
+            ('floor_ms_kernel', 'tab:red', 'matmul floor, native kernel (timed alone)')]
+  for key, color, label in floors:
+    ms = [r.get(key) for r in rows]
+    if any(m is not None for m in ms):
+      at = [i for i, m in enumerate(ms) if m is not None]
+      lines.append(ax.hlines([ms[i] for i in at], [i - 0.36 for i in at], [i + 0.36 for i in at],
+                             colors=color, linewidths=2, zorder=3, label=label))
   ax.set_xticks(x)
   ax.set_xticklabels(labels)
   ax.set_ylabel('time per decode step (ms)')
   ax.set_title('Where a decode step\'s time goes (jax.profiler, mean of traced steps)'
                + title_note, fontsize=9)
   ax.set_ylim(bottom=0)
-  plots.legend_outside(ax, title='category')
+  handles = bars[::-1] + lines  # the categories as stacked, top first; then the floors
+  ax.legend(handles, [h.get_label() for h in handles], loc='upper left',
+            bbox_to_anchor=(1.01, 1.0), fontsize=8, title='category', title_fontsize=8,
+            borderaxespad=0)
   plots.save(fig, path)
 
 
