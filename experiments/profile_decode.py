@@ -40,7 +40,9 @@ The matmul floor is bench_decode's (matmul_floor_fn, time_calls): the step's mat
 XLA's dots (`floor_ms`; through the native kernel too, `floor_ms_kernel`). From the traced
 matmul time and the model's shapes: weight GB/s read and GFLOP/s achieved, for the linear layers,
 the head, and both, against a numpy memory copy measured in the same run (`copy_gb_per_s`: bytes
-copied per second, each read once and written once).
+copied per second, each read once and written once); `step_ms_if_matmuls_at_copy_rate` is the
+traced step with its matmuls replaced by their weights' bytes at that rate, everything else as
+traced.
 
 If a trace holds no per-op events (a jaxlib whose CPU runtime does not emit them), the step is
 split by measurement instead, and every row says so (`decomposition`): `matmuls_floor` the floor,
@@ -559,6 +561,8 @@ def table(rows: list, copy_gb_per_s: float) -> str:
            ('matmul floor, XLA dots', 'floor_ms', '.2f'),
            ('matmul floor, native kernel', 'floor_ms_kernel', '.2f'),
            ('step / floor', 'step_over_floor', '.2f'),
+           ('step if the matmuls read weights at the copy rate', 'step_ms_if_matmuls_at_copy_rate',
+            '.2f'),
            ('linear layers: weight GB/s', 'linear_gb_per_s', '.1f'),
            ('linear layers: GFLOP/s', 'linear_gflop_per_s', '.1f'),
            ('head: weight GB/s', 'head_gb_per_s', '.1f'),
@@ -668,6 +672,12 @@ def study(config, workdir: str) -> dict:
     for name in ('linear', 'head', 'matmuls', 'floor'):
       gb = r.get(f'{name}_gb_per_s')
       r[f'{name}_share_of_copy_bandwidth'] = gb / copy_gb if gb else None
+    # What the step would take with every other part as traced and the matmuls reading their
+    # weights at the memory copy's rate: how far faster matmuls alone could take it.
+    if r['decomposition'] == 'traced':
+      matmul_ms = sum(r[f'{c}_ms'] for c in MATMULS)
+      r['step_ms_if_matmuls_at_copy_rate'] = (r['step_ms'] - matmul_ms
+                                              + r['weight_mb'] / 1e3 / copy_gb * 1e3)
   text = table(rows, copy_gb)
   cli.write_table(workdir, text)
   summary = {

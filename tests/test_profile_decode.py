@@ -137,6 +137,9 @@ def test_tiny_profile(tmp_path):
     assert all(p['calls'] == config.model.random.num_layers for p in projections.values())
     assert sum(p['ms'] for p in projections.values()) == pytest.approx(
         row['linear_kernel_ms'] + row['linear_xla_ms'], rel=1e-6)
+    matmuls = sum(row[f'{c}_ms'] for c in profile_decode.MATMULS)
+    assert row['step_ms_if_matmuls_at_copy_rate'] == pytest.approx(
+        row['step_ms'] - matmuls + row['weight_mb'] / summary['copy_gb_per_s'], rel=1e-6)
   assert summary['copy_gb_per_s'] > 0
   assert (tmp_path / 'profile_decode.png').read_bytes()[:4] == b'\x89PNG'
   assert glob.glob(os.path.join(tmp_path, 'trace', 'B2', 'plugins', 'profile', '*',
