@@ -67,9 +67,7 @@ from pagedjax.model.llama import LINEAR_IMPLS
 from pagedjax.model.step import DECODE_LAYERS, CompiledStep
 from pagedjax.host.requests.sampling_params import SamplingParams
 
-_PROFILE_DIR = flags.DEFINE_string(
-    'profile_dir', None, 'Write a jax.profiler trace (TensorBoard/Perfetto) of a few decode '
-    'steps at the largest batch here.')
+_PROFILE_DIR = cli.profile_dir_flag()  # traces a few decode steps at the largest batch
 
 PROFILE_STEPS = 5
 

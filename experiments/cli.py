@@ -137,6 +137,19 @@ def study_flag(define: Callable, name: str, default, help_string: str, **kwargs)
   return holder
 
 
+def profile_dir_flag():
+  """--profile_dir, for the entry points that trace warm steps (experiments.decode,
+  bench_decode): defined by the first of them imported and shared by the rest, so one process
+  can import several (the test suite does). Listed by plain --help; `.value` is the directory."""
+  if 'profile_dir' not in flags.FLAGS:
+    flags.DEFINE_string(
+        'profile_dir', None, 'Write a jax.profiler trace of warm decode steps here (which steps: '
+        "the entry point's docstring); the run prints the trace's path and the command that "
+        'opens it (xprof, from requirements-profile.txt).')
+  _key_flag_of_main('profile_dir')
+  return flags.FLAGS['profile_dir']
+
+
 def config_docstring(path: Optional[str]) -> Optional[str]:
   """The docstring of the config file `path` (or `path:arg`), read without running the file;
   None if there is none or the file does not read."""

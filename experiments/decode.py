@@ -49,10 +49,7 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
                                    'host:port of process 0, with --distributed.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes, with --distributed.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0-based, with --distributed.')
-_PROFILE_DIR = flags.DEFINE_string(
-    'profile_dir', None, 'Write a jax.profiler trace of the timed second pass here (warm: its '
-    'steps compile nothing; its tokens/s then include the tracer\'s cost); the run prints the '
-    'trace\'s path and the command that opens it (xprof, from requirements-profile.txt).')
+_PROFILE_DIR = cli.profile_dir_flag()  # traces the timed second pass
 
 
 def run_pass(engine, prompts, params):
