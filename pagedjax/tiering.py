@@ -35,6 +35,11 @@ Each is the best of 3 timings after a warm-up.
 The warm-up compiles the same programs the run uses (they are cached per shape), so the few
 seconds are mostly paid once; they are not charged to the engine's compilation count.
 
+On a simulated device (pagedjax/sim/simulated_device.py: SimulatedBackend.tier_layout and
+tier_costs) the same KVTiers run over a ContentFreeLayout: the same demotions, lookups,
+promotions, evictions and KV events, no bytes moved, each gather and scatter charged by the cost
+model; the figures are the model's (tier_costs), not measured; a disk tier is refused.
+
 Tier sizes are checked against host RAM and free disk space (host/capacity.py) before anything
 is allocated: a size that does not fit is a ConfigError naming the field, value and limit.
 """
@@ -94,11 +99,23 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
     cache.pin_budget = t.pinned_blocks
   if not t.enabled:
     return None
-  shapes = executor.pool.block_array_shapes()
-  if cache is None or not shapes:
-    raise ValueError('KV tiers need prefix caching on and a pool that holds block arrays '
-                     '(not a simulated one)')
-  layout = BlockLayout(shapes)
+  if cache is None:
+    raise ValueError('KV tiers need prefix caching on (prefix_cache.enabled=True)')
+  # A backend that models its device (pagedjax/sim) gives a layout without contents and the
+  # cost figures of its model; on a real device the layout is the pool's arrays, measured.
+  modelled = getattr(executor.backend, 'tier_layout', None)
+  if modelled is not None:
+    if t.disk_blocks:
+      raise ValueError(f'tiers.disk_blocks={t.disk_blocks} is not allowed on a simulated device: '
+                       '0 (a simulated pool has host-RAM tiers only; its disk tier would need a '
+                       'content-free disk store)')
+    layout = modelled()
+  else:
+    shapes = executor.pool.block_array_shapes()
+    if not shapes:
+      raise ValueError('KV tiers need a pool that holds block arrays, or a backend that models '
+                       'them (tier_layout, as pagedjax/sim\'s)')
+    layout = BlockLayout(shapes)
   block_size = config.pool.block_size
   disk = None
   if t.disk_blocks:
@@ -107,7 +124,8 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
                      t.eviction)
   cost = None
   if t.promotion == 'auto':
-    cost = calibrated_cost(t, executor, layout, disk)
+    cost = (executor.backend.tier_costs(t, executor) if modelled is not None else
+            calibrated_cost(t, executor, layout, disk))
   tiers = KVTiers(layout, block_size, host_blocks=t.host_blocks, disk=disk, eviction=t.eviction,
                   write_through=t.write_through, promotion=t.promotion, cost=cost)
   return tiers.attach(cache)

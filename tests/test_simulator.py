@@ -307,6 +307,104 @@ def test_same_decisions_as_tiny_model():
   assert real.stats['preemptions'] > 0
 
 
+# ---- KV tiers on the simulated device -------------------------------------------------------
+
+TIERED = {'block_size': 4, 'num_blocks': 12, 'max_batch_size': 2, 'prefill_chunk': 8,
+          'max_seq_len': 64, 'prefix_caching': True}
+# stated figures, so neither engine measures them: a load is cheaper than recomputing
+TIER_FIGURES = dict(prefill_s_per_token=1e-3, host_bytes_per_s=1e9, host_latency_s=1e-4)
+
+
+def tiered_config(cfg, host_blocks: int, **tiers):
+  config = tiny_models.engine_config(cfg, **TIERED)[0]
+  return dataclasses.replace(config, tiers=dataclasses.replace(
+      config.tiers, host_blocks=host_blocks, **{**TIER_FIGURES, **tiers}))
+
+
+def tiered_sim(cfg, host_blocks: int, **tiers):
+  backend = sd.SimulatedBackend(sizing.from_model_config(cfg), COMPUTE_ONLY,
+                                activation_dtype='fp32', weight_dtype='fp32')
+  return Engine(cfg, None, tiered_config(cfg, host_blocks, **tiers), timer=backend.clock,
+                backend=backend)
+
+
+def revisits(vocab=97):
+  """Four 16-token prompts (4 full blocks, 3 matchable), then the same four again, 3 tokens
+  generated each (a partial block: only prompt blocks are keyed): the 11-block pool
+  holds about two of them, so the second pass finds the others only below the device."""
+  rng = np.random.default_rng(5)
+  prompts = [[int(t) for t in rng.integers(1, vocab, 16)] for _ in range(4)]
+  return [types.SimpleNamespace(prompt_ids=p, max_new_tokens=3, arrival_time=0.05 * i)
+          for i, p in enumerate(prompts + prompts)]
+
+
+TIER_COUNTS = ('tiers_tier1_hit_blocks', 'tiers_tier2_hit_blocks', 'tiers_promoted_blocks',
+               'tiers_declined_blocks', 'tiers_tier2_demoted_blocks', 'tiers_tier1_evictions',
+               'tiers_tier2_evictions', 'tiers_queried_blocks', 'tiers_tier2_full_skips')
+
+
+def tier_decisions(engine, log):
+  """The tiers' counts, what the host tier holds (in eviction order) and every KV event."""
+  s = engine.summary()
+  host = engine.tiers.host.index
+  events = [(type(e).__name__, e.medium, tuple(getattr(e, 'block_hashes', ())))
+            for e in log.pending]
+  return {k: s[k] for k in TIER_COUNTS}, sorted(host.keys()), events
+
+
+def test_simulated_host_tier_hits_where_the_device_alone_misses():
+  """The same pool and requests on the simulated device, with and without 8 host blocks: the
+  second pass finds prompts below the device only with the tier, computes that much less, and
+  the promotions' scatter is charged to the clock."""
+  cfg = fakes.CFG
+  requests = revisits(fakes.VOCAB)
+  device_only, tiered = tiered_sim(cfg, 0), tiered_sim(cfg, 8)
+  assert device_only.tiers is None and tiered.tiers is not None
+  drive(device_only, requests), drive(tiered, requests)
+  a, b = device_only.summary(), tiered.summary()
+  assert b['tiers_tier2_hit_blocks'] >= 4 and b['tiers_promoted_bytes'] == (
+      b['tiers_promoted_blocks'] * tiered.pool.block_nbytes)
+  assert b['prompt_tokens_computed'] == a['prompt_tokens_computed'] - 4 * b[
+      'tiers_tier2_hit_blocks']
+  assert b['prefix_hit_tokens'] == a['prefix_hit_tokens']  # device hits alike; the rest below
+  assert tiered.tiers.counters['promote_seconds'] == 0  # COMPUTE_ONLY: free transfers
+  charged = tiered_sim(cfg, 8)
+  charged.executor.backend.cost.hw = dataclasses.replace(UNIT, host_link_bandwidth=1e6)
+  drive(charged, requests)
+  # each promoted block's bytes over the 1 MB/s host link (this hardware has no call overhead)
+  assert charged.tiers.counters['promote_seconds'] == pytest.approx(
+      charged.summary()['tiers_tier2_hit_blocks'] * charged.executor.backend.cost.block_bytes / 1e6)
+  with pytest.raises(ValueError, match=r'tiers\.disk_blocks=4 is not allowed on a simulated'):
+    tiered_sim(cfg, 8, disk_blocks=4, disk_kvstore='memory://sim/')
+
+
+def test_tiers_make_the_same_decisions_as_the_tiny_model():
+  """A host tier under the real tiny Llama and under the simulated device, same clock: the
+  same iterations, the same tier counts (hits per tier, promotions, declines, demotions,
+  evictions), the same host-tier contents and the same KV events, GPU and CPU, in order."""
+  from pagedjax.host import kv_events  # pylint: disable=import-outside-toplevel
+  cfg, params, step = tiny_models.tiny('gqa')
+  requests = revisits(cfg.vocab_size)
+  sim = tiered_sim(cfg, 6)
+  cost = sim.executor.backend.cost
+  clock = sd.SimClock()
+  real = Engine(cfg, params, tiered_config(cfg, 6), timer=clock,
+                step_fn=ClockedStep(step, clock, cost))
+  assert real.tiers.cost == sim.tiers.cost  # the promotion rule weighs the same figures
+  calibrate.compile_shapes(real.executor, [
+      calibrate.grid_inputs(p, real.executor, cfg.vocab_size, np.random.default_rng(0))
+      for p in calibrate.step_grid(real.executor, 16, 8)])
+  clock.now = 0.0
+  logs = [kv_events.EventLog(e.prefix_cache.events) for e in (real, sim)]
+  assert drive(sim, requests) == drive(real, requests)
+  expected, got = tier_decisions(real, logs[0]), tier_decisions(sim, logs[1])
+  assert got == expected
+  counts, host_keys, events = got
+  assert counts['tiers_tier2_hit_blocks'] > 0 and counts['tiers_tier2_evictions'] > 0
+  assert any(kind == 'BlockStored' and medium == 'CPU' for kind, medium, _ in events)
+  assert any(kind == 'BlockRemoved' and medium == 'CPU' for kind, medium, _ in events)
+
+
 def test_simulated_executor_times_what_the_step_interface_would():
   """The executor's shortcut (shapes from rows) and SimulatedStep on the StepInputs the real
   executor builds give the same calls, times and figures."""

@@ -6,14 +6,20 @@ host-tier bookkeeping unchanged. Only what executor.DEVICE would do on the devic
 
   pool      SimulatedPool: the pool's byte counts (pool.pool_bytes, the same scheme code as a
             real pool: scales and zero points included) and no arrays, so a Llama-3-70B engine
-            allocates nothing. Its host tier is bookkeeping only (no block data is kept).
+            allocates nothing. Its host stores are bookkeeping only (no block data is kept):
+            the swap store, and the KV tiers' host RAM (config.tiers.host_blocks) over
+            kv_tiers.ContentFreeLayout, whose demotions, finds, promotions, evictions and KV
+            events are the real KVTiers' (tiering.build_tiers; a disk tier is refused).
   steps     each step call advances the clock by CostModel.step_time of the call's StepShape
             (the padded rows and tokens the real program would compute) and returns one token
             per sampling row: a fixed function of the row's seed, tokens generated so far and
             context (never the EOS id), so stopping follows each request's max_new_tokens, i.e.
             the trace's output lengths, and parallel samples differ as real ones do.
-  transfers swap-out/in and copy-on-write copies advance the clock by the cost model's transfer
-            times (bytes over the host link, or a read and a write in HBM).
+  transfers swap-out/in, the KV tiers' demotions (a gather) and promotions (a scatter), and
+            copy-on-write copies advance the clock by the cost model's transfer times (bytes
+            over the host link, or a read and a write in HBM), where the real engine makes the
+            same calls on its critical path (executor.py: the gather before, the scatter after
+            the iteration's copies, both before the steps; write-through's gather after them).
   host      each iteration adds CostModel.host_time(rows) to the clock: the time the Python host
             code takes on the target machine (calibrated on this one), since the simulator's own
             Python time is not the engine's clock.
@@ -44,7 +50,7 @@ from pagedjax.engine import Engine
 from pagedjax.executor import PlanExecutor
 from pagedjax.host.scheduling.device_api import CallResult, StepCall
 from pagedjax.model.llama import ModelConfig
-from pagedjax.host.tiers import tier_cost
+from pagedjax.host.tiers import kv_tiers, tier_cost
 from pagedjax.sim.cost_model import CostModel, StepShape, prefill_step
 from pagedjax.sim.hardware import Hardware, get_hardware
 
@@ -119,6 +125,11 @@ class SimulatedPool:
     """None: a simulated host tier stores no block contents, only its bookkeeping."""
     return {}
 
+  @property
+  def block_nbytes(self) -> int:
+    """One block's bytes over every device (scales included): what a host tier stores of it."""
+    return int(round(self.bytes_per_token * self.block_size))
+
 
 # ---- step and device ------------------------------------------------------------------------
 
@@ -154,9 +165,9 @@ class SimulatedDevice:
   """The Device protocol (host/scheduling/device_api.py) on a simulated clock: every call
   advances the backend's clock by the cost model's time for it and moves no data.
 
-  Transfers (swap-out/in, and the tiers' demotions and promotions, which never happen here:
-  tiering.build_tiers refuses a simulated pool, whose stores hold no block contents) take the
-  host link's time for their blocks; copies a read and a write in HBM; a step the time of the
+  Transfers (swap-out/in, and the KV tiers' demotions and promotions, whose stores hold no
+  block contents) take the host link's time for their blocks (CostModel.swap_time: the call's
+  overhead plus each device's share of the blocks over its own host link); copies a read and a write in HBM; a step the time of the
   StepShape its padded rows and tokens make, and its tokens (and a beam call's candidates) are
   sim_tokens' and sim_candidates'. Each iteration also charges the host code's time for its
   rows (CostModel.host_time)."""
@@ -244,6 +255,17 @@ class SimulatedBackend:
     return tier_cost.TierCosts.for_tiers(self.pool.block_size, self.cost.block_bytes,
                                          t.prefill_s_per_token or prefill, host,
                                          (math.inf, math.inf))
+
+  def tier_layout(self) -> kv_tiers.ContentFreeLayout:
+    """The KV tiers' block layout (tiering.build_tiers): the pool's block size, no contents."""
+    return kv_tiers.ContentFreeLayout(self.pool.block_nbytes)
+
+  def tier_costs(self, t, executor) -> tier_cost.TierCosts:
+    """The KV tiers' promotion figures (tiers.promotion='auto'): preemption_cost's, the ones
+    the device charges a promotion's scatter (CostModel.swap_time: host_latency_s is the
+    call's overhead, host_bytes_per_s the host link's, per device; config.tiers' non-zero
+    figures win, as the real engine's)."""
+    return self.preemption_cost(t, executor)
 
   def step(self, model_cfg, attention_impl=None, return_logits=False) -> SimulatedStep:
     del model_cfg, attention_impl
