@@ -16,6 +16,20 @@ distinct: keys are over 64-token blocks); a request is a random tenant's prompt 
 question of a random one of its users. Every router row replays the same trace.
 `:tiny` is a seconds-long smoke run of the same pipeline (a 4-replica Llama-3-8B cluster).
 
+`:llmd_host` is the same setup where the hot prefixes exceed the replicas' device memory and
+live in host RAM: each replica gets a host-RAM KV tier (config.tiers.host_blocks on the
+simulated device: the real KVTiers without block contents, promotions and demotions charged at
+the preset's host link, pagedjax/sim) of 24,000 blocks (1,536,000 tokens, 403 GB of Qwen3-32B
+KV at 256 KiB a token): a DGX H100 node's 2 TB of RAM shared by its 4 two-GPU pods is 512 GB
+each, less ~100 GB for the OS and the serving processes. 600 tenants instead of 150 (3.6 M
+prefix tokens): a prefix-affine router gives each replica 75 of them, 450 K tokens, more than
+its whole 307,328-token device pool (which also holds the running requests), but well within
+device + host (1.84 M); all 600 do not fit one replica (so prefix-blind routing still loses
+hits). Stages of 12 s instead of 6 (2,5xx requests, ~4 per tenant), so prefixes repeat. The
+`cluster.device_only_routers` rows are replayed without the host tier, for comparison.
+`:tiny_llmd_host` is its test-sized run (the tiny cluster, 32 tenants of 256 tokens: 2,048 per
+replica under affinity against 1,536 device tokens; a 2,048-token host tier).
+
 `:mooncake` is Mooncake's (FAST'25) local-vs-global cache comparison on its conversation trace
 (/work/shared/traces/mooncake_conversation.jsonl: 12,031 requests over 59 minutes, blocks of 512
 tokens by hash id): 10 prefill replicas of a Llama-3-70B-shaped model on 8 x A100 80GB (the
@@ -88,8 +102,10 @@ def get_config(arg=None):
       # rows (by label) replayed again with one shared store of shared_store_blocks blocks under
       # every replica (sim.py); its loads cost store_bytes_per_s and store_latency_s per batch
       store_routers=(), shared_store_blocks=0, store_bytes_per_s=0.0, store_latency_s=0.0,
-      store_replica_blocks=0))  # the replicas' own pools in those rows (0: pool.num_blocks)
-  if arg == 'tiny':
+      store_replica_blocks=0,  # the replicas' own pools in those rows (0: pool.num_blocks)
+      # rows (by label) replayed again without the replicas' KV tiers (tiers.host_blocks = 0)
+      device_only_routers=()))
+  if arg in ('tiny', 'tiny_llmd_host'):
     config.sim.model = 'Llama-3-8B'
     config.sim.shape = ml_collections.ConfigDict(dict(
         name='Llama-3-8B', num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
@@ -105,9 +121,11 @@ def get_config(arg=None):
     config.cluster.update(dict(replicas=4, routing_replicas=4, routing_requests=20))
   elif arg in ('mooncake', 'tiny_mooncake'):
     mooncake(config, tiny=arg == 'tiny_mooncake')
-  elif arg:
+  elif arg not in (None, '', 'llmd_host'):
     raise ValueError(f'configs/cluster.py: unknown variant {arg!r}; allowed: tiny, mooncake, '
-                     'tiny_mooncake')
+                     'tiny_mooncake, llmd_host, tiny_llmd_host')
+  if arg in ('llmd_host', 'tiny_llmd_host'):
+    llmd_host(config, tiny=arg == 'tiny_llmd_host')
   config.variant = arg or 'full'
   return config
 
@@ -147,3 +165,17 @@ def mooncake(config, tiny: bool = False) -> None:
       # 100 us per batched load here, an assumption, not a measurement
       store_bytes_per_s=100e9, store_latency_s=1e-4,
       routing_replicas=16, routing_copies=2, routing_requests=20 if tiny else 300))
+
+
+HOST_BLOCKS = 24_000  # per replica: 1,536,000 tokens, 403 GB of Qwen3-32B KV (module docstring)
+
+
+def llmd_host(config, tiny: bool = False) -> None:
+  """llm-d's setup with hot prefixes past device memory, in host RAM (module docstring)."""
+  config.tiers.host_blocks = 128 if tiny else HOST_BLOCKS
+  config.tiers.promotion = 'auto'  # load or recompute by the cost model's figures
+  if tiny:
+    config.workload.update(dict(tenants=32, stage_s=1.0))
+  else:
+    config.workload.update(dict(tenants=600, stage_s=12.0))
+  config.cluster.device_only_routers = ('precise', 'tier_cost')

@@ -16,6 +16,14 @@ seconds, so the figure depends on this machine and its load; the load average is
 The question the study answers (llm-d's finding): is the p90 TTFT ordering at high load precise
 < approximate < load-aware ~ random?
 
+  python -m experiments.cluster --config=configs/cluster.py:llmd_host --workdir=runs/llmd_host
+
+is the same question where the hot prefixes exceed the replicas' device memory and live in a
+host-RAM KV tier (config.tiers.host_blocks; configs/cluster.py:llmd_host): does the tier-aware
+router at least match precise routing, and beat it? Per router also the tier hit mix (device,
+host), the host share expected at routing, the promotions and host evictions; the rows of
+`cluster.device_only_routers` are replayed without the host tier ("ROUTER (device only)").
+
   python -m experiments.cluster --config=configs/cluster.py:mooncake --workdir=runs/mooncake
 
 `workload.kind='mooncake'` (configs/cluster.py:mooncake) is another question, Mooncake's
@@ -66,9 +74,12 @@ from pagedjax.studies import workloads
 
 STAGE_COLUMNS = ('router', 'rate', 'finished_requests', 'ttft_p50_s', 'ttft_p90_s',
                  'ttft_p99_s', 'tpot_p50_s', 'tpot_p90_s', 'tpot_p99_s', 'requests_per_s',
-                 'generated_tokens_per_s', 'cached_at_routing_fraction')
+                 'generated_tokens_per_s', 'cached_at_routing_fraction',
+                 'host_at_routing_fraction')
 ROUTER_COLUMNS = ('router', 'finished_requests', 'prefix_hit_rate_tokens', 'hit_rate_tier1_tokens',
-                  'hit_rate_tier2_tokens', 'hit_rate_tier3_tokens', 'prompt_tokens_computed',
+                  'hit_rate_tier2_tokens', 'hit_rate_tier3_tokens', 'hit_rate_tiered_tokens',
+                  'host_at_routing_fraction', 'tiers_promoted_blocks', 'tiers_declined_blocks',
+                  'tiers_tier2_evictions', 'prompt_tokens_computed',
                   'ttft_p50_s', 'ttft_p90_s', 'ttft_p99_s', 'tpot_p50_s', 'tpot_p90_s',
                   'tpot_p99_s', 'generated_tokens_per_s', 'imbalance_requests',
                   'imbalance_prefill', 'route_p50_ms', 'route_p99_ms', 'routing_p50_ms',
@@ -126,9 +137,20 @@ def check(config) -> None:
       routers_lib.make_router(name, **dict(kwargs))
     except (ValueError, TypeError) as e:
       fail(f'cluster.routers[{label!r}]', name, str(e))
-  unknown = [label for label in c.get('store_routers', ()) if label not in labels]
-  if unknown:
-    fail('cluster.store_routers', tuple(c.store_routers), f'labels of cluster.routers {labels}')
+  for field in ('store_routers', 'device_only_routers'):
+    unknown = [label for label in c.get(field, ()) if label not in labels]
+    if unknown:
+      fail(f'cluster.{field}', tuple(c[field]), f'labels of cluster.routers {labels}')
+  if c.get('device_only_routers') and not config.tiers.host_blocks:
+    fail('cluster.device_only_routers', tuple(c.device_only_routers),
+         '() unless tiers.host_blocks > 0 (the rows replayed without the host tier)')
+  if config.tiers.disk_blocks:
+    fail('tiers.disk_blocks', config.tiers.disk_blocks,
+         '0 (a simulated replica has a host-RAM tier only)')
+  if config.tiers.host_blocks and c.get('store_routers'):
+    fail('cluster.store_routers', tuple(c.store_routers),
+         '() when tiers.host_blocks > 0 (a shared store under replicas with their own tiers '
+         'is not modelled)')
   if c.get('store_routers'):
     if not isinstance(c.shared_store_blocks, int) or c.shared_store_blocks < 1:
       fail('cluster.shared_store_blocks', c.shared_store_blocks,
@@ -230,8 +252,9 @@ def make_engines(config, n: int) -> tuple:
     engine = simulated_device.simulated_engine(
         shape, hw, typed, weight_dtype=sim.weight_dtype, activation_dtype=sim.activation_dtype,
         count_padding=sim.count_padding)
-    engines.append(engine)
-    costs.append(engine.executor.backend.preemption_cost(typed.tiers, engine.executor))
+    engines.append(engine)  # with KV tiers, the figures their promotion rule weighs
+    costs.append(engine.tiers.cost if engine.tiers is not None and engine.tiers.cost else
+                 engine.executor.backend.preemption_cost(typed.tiers, engine.executor))
   return engines, costs
 
 
@@ -245,13 +268,25 @@ def store_costs(config, cost: tier_cost.TierCosts) -> tier_cost.TierCosts:
                                        (c.store_bytes_per_s, c.store_latency_s))
 
 
-def run_router(config, row, requests, shared_store: bool = False) -> tuple:
+def device_only(config):
+  """The config without the replicas' KV tiers."""
+  config = config.copy_and_resolve_references()
+  config.tiers.host_blocks = 0
+  config.cluster.device_only_routers = ()
+  return config
+
+
+def run_router(config, row, requests, shared_store: bool = False,
+               device_only_row: bool = False) -> tuple:
   label, name, kwargs = row
   store_blocks = config.cluster.shared_store_blocks if shared_store else 0
   own = config.cluster.get('store_replica_blocks', 0)
   if shared_store and own:  # the replicas' own pools in the store's rows
     config = config.copy_and_resolve_references()
     config.pool.num_blocks = config.sim.num_blocks = own
+  if device_only_row:
+    config, label = device_only(config), f'{label} (device only)'
+
   engines, costs = make_engines(config, config.cluster.replicas)
   if shared_store:
     costs = [store_costs(config, cost) for cost in costs]
@@ -351,11 +386,31 @@ def ordering(stages: list) -> list:
   return out
 
 
+TIER_COLUMNS = ('router', 'hit_rate_tier1_tokens', 'hit_rate_tier2_tokens', 'hit_rate_tiered_tokens',
+                'cached_at_routing_fraction', 'host_at_routing_fraction', 'tiers_promoted_blocks',
+                'tiers_declined_blocks', 'tiers_tier2_demoted_blocks', 'tiers_tier2_evictions',
+                'prompt_tokens_computed')
+
+
+def tier_cost_vs_precise(stages: list) -> list:
+  """Per stage: tier_cost's p90 TTFT over precise's (< 1: tier_cost is better), when both ran."""
+  out = []
+  for rate in sorted({s['rate'] for s in stages}):
+    p90 = {s['router']: s['ttft_p90_s'] for s in stages if s['rate'] == rate}
+    if p90.get('precise') and p90.get('tier_cost') is not None:
+      out.append({'rate': rate, 'precise_p90_s': p90['precise'],
+                  'tier_cost_p90_s': p90['tier_cost'],
+                  'ratio': p90['tier_cost'] / p90['precise']})
+  return out
+
+
 def setting(config) -> str:
   shape, hw = model_shape(config), hardware.get_hardware(config.sim.hardware)
   tokens = (config.pool.num_blocks - 1) * config.pool.block_size
+  host = config.tiers.host_blocks * config.pool.block_size
   return (f'{config.cluster.replicas} x {shape.name} on {config.mesh.model} x {hw.name}, '
-          f'{tokens:,} KV tokens each (simulated)')
+          f'{tokens:,} KV tokens each' + (f' + {host:,} in host RAM' if host else '') +
+          f', {config.workload.get("tenants", "-")} tenants (simulated)')
 
 
 def plot(stages: list, config, workdir: str) -> None:
@@ -552,14 +607,19 @@ def study(config, workdir: str) -> dict:
   print(f'{setting(config)}: {len(requests)} requests over {len(config.workload.rates)} '
         'stages', flush=True)
   overall, stages, replicas = [], [], []
-  for row in config.cluster.routers:
-    o, s, r, cluster = run_router(config, row, requests)
+  c = config.cluster
+  runs = [(row, False) for row in c.routers]
+  runs += [(row, True) for label in c.get('device_only_routers', ()) for row in c.routers
+           if row[0] == label]
+  for row, device_only_row in runs:
+    o, s, r, cluster = run_router(config, row, requests, device_only_row=device_only_row)
     o.update(routing_cost(config, row, requests))
     overall.append(o)
     stages += s
     replicas += r
-    print(f"{row[0]:>12}: TTFT p90 {o['ttft_p90_s']:.3f} s, hit rate "
-          f"{o['prefix_hit_rate_tokens']:.3f}, routing p99 {o['routing_p99_ms']:.3f} ms at "
+    print(f"{o['router']:>12}: TTFT p90 {o['ttft_p90_s']:.3f} s, hit rate "
+          f"{o['prefix_hit_rate_tokens']:.3f} device, {o['hit_rate_tier2_tokens']:.3f} host, "
+          f"routing p99 {o['routing_p99_ms']:.3f} ms at "
           f"{o['routing_replicas']} replicas; simulated in {o['simulator_wall_s']:.0f} s",
           flush=True)
     del cluster
@@ -572,11 +632,15 @@ def study(config, workdir: str) -> dict:
   table = (f'{setting(config)}\n\nTTFT p90 (simulated s) per router and stage rate\n\n'
            f'{run_info.markdown_table(p90_rows, list(p90_rows[0]))}\n\nRouters, whole trace\n\n'
            f'{run_info.markdown_table(overall, ROUTER_COLUMNS)}\n')
+  if config.tiers.host_blocks:
+    table += (f'\nTier hit mix (share of prompt tokens queried)\n\n'
+              f'{run_info.markdown_table(overall, TIER_COLUMNS)}\n')
   cli.write_table(workdir, table)
   worst = max(o['routing_p99_ms'] for o in overall)
   summary = {
       'setting': setting(config), 'simulated': True, 'requests': len(requests),
       'ordering': order, 'ordering_holds_at_top_rate': order[-1]['holds'] if order else None,
+      'tier_cost_vs_precise': tier_cost_vs_precise(stages),
       'routing_cost': {'goal_ms': config.cluster.route_goal_ms, 'worst_p99_ms': worst,
                        'met': worst <= config.cluster.route_goal_ms,
                        'replicas': config.cluster.routing_replicas,

@@ -4,7 +4,8 @@ every request finishes once on the replica it was routed to and after it arrived
 routing finds more of each prompt cached than random routing, and the study writes its files.
 With a shared store: the index's shared holder is exactly the store, the store finds more of
 the prompts than local caches do under prefix-blind routing, and the Mooncake study's tiny run
-writes its comparison."""
+writes its comparison. With host-RAM tiers (:tiny_llmd_host): the index holds each replica's
+device and host keys, and the study reports the tier mix against device-only replays."""
 import functools
 import json
 import os
@@ -80,6 +81,63 @@ def test_kv_index_equals_each_replica_device_cache():
     assert {k for k in device if r.index in cluster.index.holders(k)} == device
     assert cluster.index.num_blocks(r.index) == len(device)
     assert engine.summary()['prefix_cache_evictions'] > 0  # the index followed evictions too
+
+
+@functools.lru_cache(maxsize=None)
+def run_host(router: str) -> SimulatedCluster:
+  """The :tiny_llmd_host cluster (a 128-block host-RAM tier per replica) under one router."""
+  cfg = cluster_config.get_config('tiny_llmd_host')
+  engines, costs = study_lib.make_engines(cfg, cfg.cluster.replicas)
+  cluster = SimulatedCluster(engines, routers.make_router(router), costs)
+  cluster.run(study_lib.make_trace(cfg))
+  return cluster
+
+
+def test_kv_index_holds_each_replica_device_and_host_keys():
+  """With host tiers, the index kept from the replicas' events holds exactly each one's device
+  cache (medium GPU) and host tier (medium CPU), through evictions in both; the host tier
+  served hits, announced at routing, and the cost model the routers weigh is the tiers'."""
+  cluster = run_host('tier_cost')
+  for r in cluster.replicas:
+    cache, engine = r.engine.prefix_cache, r.engine
+    device = {cache.entry(b)[0] for b in range(1, engine.allocator.num_blocks)
+              if cache.is_cached(b)}
+    host = engine.tiers.host.index
+    assert cluster.index.blocks(r.index, 'GPU') == device
+    assert cluster.index.blocks(r.index, 'CPU') == set(host.keys()) and len(host) > 0
+    assert r.state.cost is engine.tiers.cost
+    s = engine.summary()
+    assert s['tiers_tier2_hit_blocks'] > 0 and s['prefix_cache_evictions'] > 0
+  assert sum(r.engine.summary()['tiers_tier2_evictions'] for r in cluster.replicas) > 0
+  f = cluster.figures()
+  assert f['hit_rate_tier2_tokens'] > 0.05 and f['host_at_routing_fraction'] > 0.05
+  assert f['hit_rate_tiered_tokens'] == pytest.approx(f['hit_rate_tier1_tokens'] +
+                                                      f['hit_rate_tier2_tokens'])
+  engines, costs = study_lib.make_engines(cluster_config.get_config('tiny_llmd_host'), 2)
+  with pytest.raises(ValueError, match='shared_store_blocks=8 with replicas that have their own'):
+    SimulatedCluster(engines, routers.make_router('random'), costs, shared_store_blocks=8)
+
+
+def test_host_tier_study_reports_the_tier_mix(tmp_path):
+  """:tiny_llmd_host with two of its routers: the row with the host tier finds more of the
+  prompts (device + host) than its device-only replay and computes less."""
+  cfg = cluster_config.get_config('tiny_llmd_host')
+  cfg.cluster.routers = tuple(r for r in cfg.cluster.routers if r[0] in ('precise', 'tier_cost'))
+  cfg.cluster.device_only_routers = ('tier_cost',)
+  study_lib.check(cfg)
+  summary = study_lib.study(cfg, str(tmp_path))
+  assert 'Tier hit mix' in (tmp_path / 'table.md').read_text()
+  rows = {o['router']: o for o in summary['routers']}
+  assert list(rows) == ['precise', 'tier_cost', 'tier_cost (device only)']
+  tiered, alone = rows['tier_cost'], rows['tier_cost (device only)']
+  assert tiered['hit_rate_tier2_tokens'] > 0 and alone['hit_rate_tier2_tokens'] == 0
+  assert tiered['hit_rate_tiered_tokens'] > alone['hit_rate_tiered_tokens']
+  assert tiered['prompt_tokens_computed'] < alone['prompt_tokens_computed']
+  assert rows['precise']['hit_rate_tier2_tokens'] > 0
+  assert [r['rate'] for r in summary['tier_cost_vs_precise']] == [20.0, 80.0]
+  cfg.cluster.device_only_routers = ('nearest',)
+  with pytest.raises(ConfigError, match=r"cluster\.device_only_routers=\('nearest',\)"):
+    study_lib.check(cfg)
 
 
 def test_prefix_aware_routing_finds_more_cached_than_random():

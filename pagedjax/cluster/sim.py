@@ -32,9 +32,19 @@ counted from its arrival at the cluster, includes the load. What this leaves out
 are in the device cache from the routing decision on, not from the load's end, and loads do
 not contend for the store's bandwidth.
 
+Replicas with KV tiers (config.tiers.host_blocks on the simulated device: pagedjax/sim, the
+real KVTiers over blocks without contents) demote what their device cache evicts to host RAM
+and promote it back at admission, the host link's time charged by the cost model; their host
+tier's stores and removals are KV events of medium CPU, so the index and the precise and
+tier-aware routers see host-resident prefixes. At submission, the prompt's blocks past the
+device prefix that the host tier holds (committed, as a prefix, short of the block holding the
+last prompt token) are `Outcome.host_at_routing` tokens: what its admission is expected to load
+rather than compute (the promotion rule may still decline some, and the tier may evict them
+before admission). A shared store under replicas with their own tiers is not modelled (refused).
+
 Queued prefill work (ReplicaState.queued_prefill_tokens): for each request routed to a replica
-and not yet prefilled, the prompt tokens its device cache did not hold at routing time, and for
-running ones what is left of their prompt. Figures (`figures`): per replica and for the cluster,
+and not yet prefilled, the prompt tokens neither its device cache nor its host tier (nor the
+shared store) held at routing time, and for running ones what is left of their prompt. Figures (`figures`): per replica and for the cluster,
 the prefix hit rate by tier, TTFT and TPOT p50/p90/p99, throughput, load imbalance (max / mean
 of requests and of prompt tokens computed per replica), and the router's decision time.
 """
@@ -83,6 +93,7 @@ class Outcome:
   cached_at_routing: int  # prompt tokens its replica's device cache held when it was routed
   route_s: float  # the router's decision, wall seconds on this machine
   shared_at_routing: int = 0  # prompt tokens past those that the shared store held
+  host_at_routing: int = 0  # prompt tokens past the device's that its host tier held
 
   @property
   def ttft_s(self) -> float:
@@ -160,7 +171,7 @@ class Replica:
     self.log = kv_events.EventLog(engine.prefix_cache.events, rank=index)
     self.state = ReplicaState(index, capacity_blocks=engine.allocator.num_blocks - 1,
                               block_size=engine.block_size, cost=cost)
-    # engine request id -> (ClusterRequest, cached, route_s, shared)
+    # engine request id -> (ClusterRequest, cached, route_s, shared, host)
     self.requests: Dict[int, tuple] = {}
     self.routed = 0
 
@@ -173,6 +184,19 @@ class Replica:
     cache, n = self.engine.prefix_cache, 0
     for key in request.keys(self.engine.block_size):
       if cache.block_of(key) is None:
+        break
+      n += 1
+    return n
+
+  def host_prefix_blocks(self, request: RouteRequest, first: int) -> int:
+    """Prompt blocks from block `first` on that this replica's host tier holds (committed), as a
+    prefix (what its admission would find there, short of a hash collision)."""
+    tiers = self.engine.tiers
+    if tiers is None or tiers.host is None:
+      return 0
+    index, n = tiers.host.index, 0
+    for key in request.keys(self.engine.block_size)[first:]:
+      if key not in index or index.is_pending(key):
         break
       n += 1
     return n
@@ -190,6 +214,7 @@ class Replica:
     slot under SimulatedCluster's max_in_flight)."""
     device = self.device_prefix_blocks(route)
     cached = self._tokens(device, route)
+    host = self._tokens(device + self.host_prefix_blocks(route, device), route) - cached
     shared, arrival = 0, max(request.arrival_time, at or 0.0)
     if store is not None:
       held = store.prefix(route.keys(self.engine.block_size), device)
@@ -203,10 +228,10 @@ class Replica:
         max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
                                arrival_time=arrival)
     route.hand_keys(self.engine, local)  # the keys routing computed: not hashed again
-    self.requests[local] = (request, cached, route_s, shared)
+    self.requests[local] = (request, cached, route_s, shared, host)
     self.routed += 1
     self.state.num_waiting += 1
-    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached - shared
+    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached - shared - host
 
   def load_from_store(self, route: RouteRequest, first: int, n: int) -> int:
     """Blocks first..first+n-1 of the prompt, which the shared store holds, into this
@@ -257,9 +282,8 @@ class Replica:
     e, s = self.engine, self.state
     waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
     s.num_waiting, s.num_running = len(waiting), len(e.running)
-    queued = sum(len(seq.prompt_ids) - self.requests[seq.request_id][1] -
-                 self.requests[seq.request_id][3] for seq in waiting
-                 if seq.request_id in self.requests)
+    queued = sum(len(seq.prompt_ids) - sum(self.requests[seq.request_id][i] for i in (1, 3, 4))
+                 for seq in waiting if seq.request_id in self.requests)
     queued += sum(max(0, len(seq.prompt_ids) - seq.num_cached) for seq in e.running)
     s.queued_prefill_tokens = queued
     s.running_tokens = sum(seq.num_cached for seq in e.running)
@@ -282,6 +306,9 @@ class SimulatedCluster:
       raise ValueError(f'max_in_flight={max_in_flight!r} is not allowed: an integer >= 1 '
                        '(None: no limit)')
     self.max_in_flight = max_in_flight
+    if shared_store_blocks and any(e.tiers is not None for e in engines):
+      raise ValueError(f'shared_store_blocks={shared_store_blocks} with replicas that have their '
+                       'own KV tiers (config.tiers) is not modelled: one or the other')
     if shared_store_blocks and not costs:
       raise ValueError(f'shared_store_blocks={shared_store_blocks} needs costs (each replica\'s '
                        'tier_cost.TierCosts: a load from the store takes its tier-3 time)')
@@ -349,11 +376,11 @@ class SimulatedCluster:
         heapq.heappush(self._slots, at or request.arrival_time)
 
   def _finished(self, replica: Replica, c) -> None:
-    request, cached, route_s, shared = replica.requests.pop(c.request_id)
+    request, cached, route_s, shared, host = replica.requests.pop(c.request_id)
     self.outcomes.append(Outcome(  # arrival: the cluster's (a store load came after it)
         request.request_id, replica.index, request.label, request.arrival_time,
         c.first_token_time,
-        c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s, shared))
+        c.finish_time, len(c.prompt_ids), len(c.output_ids), cached, route_s, shared, host))
 
   # ---- figures -----------------------------------------------------------------------------
 
@@ -365,11 +392,17 @@ class SimulatedCluster:
     queried = sum(s['prefix_queried_tokens'] for s in summaries)
     out['prefix_hit_rate_tokens'] = (sum(s['prefix_hit_tokens'] for s in summaries) / queried
                                      if queried else None)
-    for tier in (2, 3):  # lower tiers, when the replicas have them (a simulated pool has none)
+    for tier in (2, 3):  # lower tiers, when the replicas have them (config.tiers)
       blocks = sum(s.get(f'tiers_tier{tier}_hit_blocks', 0) or 0 for s in summaries)
       out[f'hit_rate_tier{tier}_tokens'] = (blocks * self.replicas[0].engine.block_size /
                                            queried if queried else None)
     out['hit_rate_tier1_tokens'] = out['prefix_hit_rate_tokens']
+    out['hit_rate_tiered_tokens'] = (
+        out['prefix_hit_rate_tokens'] + out['hit_rate_tier2_tokens'] + out['hit_rate_tier3_tokens']
+        if queried else None)
+    for name in ('promoted_blocks', 'declined_blocks', 'tier2_demoted_blocks',
+                 'tier2_evictions'):  # the host tiers' traffic, summed over replicas
+      out[f'tiers_{name}'] = int(sum(s.get(f'tiers_{name}', 0) or 0 for s in summaries))
     computed = [s['prompt_tokens_computed'] for s in summaries]
     routed = [r.routed for r in self.replicas]
     shared = sum(o.shared_at_routing for o in outcomes)
@@ -392,6 +425,7 @@ class SimulatedCluster:
       mine = [o for o in self.outcomes if o.replica == r.index]
       rows.append(dict(replica=r.index, requests=r.routed,
                        prefix_hit_rate_tokens=s['prefix_hit_rate_tokens'],
+                       tier2_hit_rate=s.get('tier2_hit_rate'),
                        prompt_tokens_computed=s['prompt_tokens_computed'],
                        prefix_cache_evictions=s['prefix_cache_evictions'],
                        preemptions=s.get('preemptions', 0), **latency_figures(mine)))
@@ -424,6 +458,7 @@ def latency_figures(outcomes: Seq[Outcome]) -> dict:
     out['cached_at_routing_fraction'] = cached / prompt
     out['hit_rate_shared_tokens'] = shared / prompt
     out['hit_rate_with_store_tokens'] = (cached + shared) / prompt
+    out['host_at_routing_fraction'] = sum(o.host_at_routing for o in outcomes) / prompt
   for q in (50, 99):
     out[f'route_p{q}_ms'] = float(np.percentile(route, q)) * 1e3 if route else None
   out['route_max_ms'] = max(route) * 1e3 if route else None
