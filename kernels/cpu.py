@@ -19,18 +19,22 @@ baseline ISA and (x86-64, GCC) under `#pragma GCC target("avx2,fma")`; the copy 
 time from the CPU's flags (`uses_avx2()` reports which), so a library built on one machine runs
 on any x86-64 and AVX2 machines get 8-wide FMA loops. head_dim 64 and 128 (compile-time
 constants) run on explicit GCC/Clang vectors, 8 floats in the AVX2 copy and 4 in the baseline
-one: a block's scores kLanes tokens at a time, q . k accumulated per token over D / kLanes chunks
-and reduced by one transpose; the online-softmax step once per row and block; p @ V with a tile
-of up to 4 rows that see the same tokens holding its accumulators in registers across the
-block's tokens (acc is loaded, scaled by the block's alpha, and stored once per block, not per
-token); the next block's K and V prefetched through the block table. Other head dims run plain
-loops GCC vectorizes at -O3, the reductions marked `#pragma omp simd reduction`, which
--fopenmp-simd honours with no OpenMP runtime. No -ffast-math: it would license reassociation
-everywhere, let the compiler assume no NaN/inf (the masking's premise), and linking with it sets
-flush-to-zero for the whole process. exp is a vectorizable Cephes polynomial (about 1 ulp);
-float16 / fp8 widening builds subnormals from an exact int->float conversion, so XLA threads
-running with denormals-are-zero still get them right. Building with -DPAGEDJAX_BASELINE_ONLY
-leaves the AVX2 copy out (to test the baseline copy on an AVX2 machine).
+one, per block in tiles of up to 4 query rows that see the same tokens (a decode step's GQA
+group): scores for kLanes (token, row) pairs at a time, each K vector loaded once for every row
+of the tile and one transposing reduction per kLanes scores; the online-softmax step on whole
+vectors of those scores; p @ V with the tile's accumulators in registers across the block's
+tokens, each V vector loaded once for every row (acc is loaded, scaled by the block's alpha, and
+stored once per block, not per token). float32 blocks are read in place and bfloat16 ones
+widened in registers as they are loaded (float16 and the quantized codes into a float32 copy of
+the block first); the next block's K and V are prefetched through the block table, spread over
+the score loop. Other head dims run plain loops GCC vectorizes at -O3, the reductions marked
+`#pragma omp simd reduction`, which -fopenmp-simd honours with no OpenMP runtime. No
+-ffast-math: it would license reassociation everywhere, let the compiler assume no NaN/inf (the
+masking's premise), and linking with it sets flush-to-zero for the whole process. exp is a
+vectorizable Cephes polynomial (about 1 ulp); float16 / fp8 widening builds subnormals from an
+exact int->float conversion, so XLA threads running with denormals-are-zero still get them
+right. Building with -DPAGEDJAX_BASELINE_ONLY leaves the AVX2 copy out (to test the baseline
+copy on an AVX2 machine).
 
 Build: compiled with the C++ compiler (`$CXX`, default g++) at first use into
 `~/.cache/pagedjax/kernels/` (`$PAGEDJAX_KERNEL_CACHE` overrides the directory), named by a hash

@@ -669,6 +669,21 @@ def test_cpu_splits_its_own_context():
   assert cpu.uses_avx2() in (True, False)
 
 
+def test_cpu_bfloat16_tiles_of_one_and_two_rows():
+  """bfloat16 blocks are widened in registers, the head dim in the even/odd order the kernel
+  keeps q and acc in: groups of 1, 2 and 3 rows (score tiles of one and two rows, 3 = 2 + 1) at
+  head_dim 128 and 64, decode and a prefill chunk, against the oracle and with NaN wherever no
+  query may look."""
+  require_cpu_kernel()
+  for group, head_dim, num_q in ((1, 128, 1), (2, 64, 1), (3, 64, 2)):
+    spec = Spec('cpu_bf16_tiles', group=group, head_dim=head_dim, num_q=num_q,
+                kv_dtype='bfloat16')
+    args = build(spec, group)
+    want = oracle(args)
+    assert_close(run('cpu', args), want, jnp.float32)
+    assert_close(run('cpu', poison(args, np.nan)), want, jnp.float32)
+
+
 def test_cpu_refuses_block_ids_and_layers_outside_the_pool():
   """The kernel checks every block id it would read, and the (traced) layer, against the pool,
   and fails the call naming them, rather than reading outside the pool."""
