@@ -669,15 +669,16 @@ def test_cpu_splits_its_own_context():
   assert cpu.uses_avx2() in (True, False)
 
 
-def test_cpu_bfloat16_tiles_of_one_and_two_rows():
-  """bfloat16 blocks are widened in registers, the head dim in the even/odd order the kernel
-  keeps q and acc in: groups of 1, 2 and 3 rows (score tiles of one and two rows, 3 = 2 + 1) at
-  head_dim 128 and 64, decode and a prefill chunk, against the oracle and with NaN wherever no
-  query may look."""
+@pytest.mark.parametrize('kv_dtype', ['bfloat16', 'int8'])
+def test_cpu_register_widening_in_tiles_of_one_and_two_rows(kv_dtype):
+  """bfloat16 and int8 blocks are widened in registers as they are loaded (bfloat16: the head
+  dim in the even/odd order the kernel keeps q and acc in): groups of 1, 2 and 3 rows (score
+  tiles of one and two rows, 3 = 2 + 1) at head_dim 128 and 64, decode and a prefill chunk,
+  against the oracle and with NaN (int8: -128 codes) wherever no query may look."""
   require_cpu_kernel()
   for group, head_dim, num_q in ((1, 128, 1), (2, 64, 1), (3, 64, 2)):
-    spec = Spec('cpu_bf16_tiles', group=group, head_dim=head_dim, num_q=num_q,
-                kv_dtype='bfloat16')
+    spec = Spec('cpu_register_widening', group=group, head_dim=head_dim, num_q=num_q,
+                kv_dtype=kv_dtype)
     args = build(spec, group)
     want = oracle(args)
     assert_close(run('cpu', args), want, jnp.float32)
