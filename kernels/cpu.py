@@ -26,8 +26,8 @@ vectors of those scores; p @ V with the tile's accumulators in registers across 
 tokens, each V vector loaded once for every row (acc is loaded, scaled by the block's alpha, and
 stored once per block, not per token). float32 blocks are read in place, bfloat16 and int8 ones
 widened in registers as they are loaded (float16 and fp8 into a float32 copy of the block
-first); the next block's K and V are prefetched through the block table, spread over the score
-loop. Other head dims run plain loops GCC vectorizes at -O3, the reductions marked
+first); the next block's K and V are prefetched through the block table, spread over the
+block's loops. Other head dims run plain loops GCC vectorizes at -O3, the reductions marked
 `#pragma omp simd reduction`, which -fopenmp-simd honours with no OpenMP runtime. No
 -ffast-math: it would license reassociation everywhere, let the compiler assume no NaN/inf (the
 masking's premise), and linking with it sets flush-to-zero for the whole process. exp is a
