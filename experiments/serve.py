@@ -43,6 +43,7 @@ Writes to WORKDIR:
 """
 import concurrent.futures
 import dataclasses
+import logging
 import os
 import time
 from typing import Optional
@@ -427,6 +428,8 @@ def plot(routers: list, workdir: str, title: str) -> None:
 
 
 def study(config, workdir: str) -> dict:
+  # Serve's driver-side INFO lines (each deployment's start, connect, stop) are not results.
+  logging.getLogger('ray.serve').setLevel(logging.WARNING)
   load_before = os.getloadavg()
   typed = factory.typed(config)
   tokenizer = tokenizer_for(typed)
