@@ -7,7 +7,8 @@ A random model with SmolLM2-135M's shape (30 layers, d_model 576, 9 query heads 
 head count is what varies): KV bytes per token, sequences of the longest context that fit the
 pool budget, and warm decode step time (experiments/kv_quality.py:gqa). Weights are random, so
 no quality figures: with trained weights, fewer KV heads is a quality trade made at training.
-`:tiny` is the same sweep on a 2-layer, d_model 64 model (KV heads 4, 2, 1) at short contexts.
+`:tiny` is the same sweep on a 2-layer, d_model 64 model (KV heads 4 and 1: MHA and MQA) at
+short contexts.
 """
 from configs import ablate_kv_quant, default
 
@@ -39,7 +40,7 @@ def get_config(arg=None):
     config.engine.decode_min_rows = 2
     config.eval.update(dict(contexts=[64], pool_budget_mb=1, decode_batch=2, decode_tokens=4,
                             decode_prompt_len=16))
-    config.sweep = [{'model.random.num_kv_heads': n} for n in (4, 2, 1)]
+    config.sweep = [{'model.random.num_kv_heads': n} for n in (4, 1)]
   elif arg:
     raise ValueError(f'configs/ablate_gqa.py: unknown variant {arg!r}; allowed: tiny')
   config.variant = arg or 'full'
