@@ -168,7 +168,12 @@ def legend_below(ax, ncol: int = 3, fontsize: int = 8) -> None:
 
 
 def save(fig, path: str, dpi: int = 120) -> None:
-  """The figure as PNG, replacing `path` atomically; then closed."""
+  """The figure as PNG, replacing `path` atomically; then closed. A figure laid out by
+  matplotlib's constrained layout already fits its titles, labels and legends inside it, so it
+  is drawn once; any other is cropped to what it draws (bbox_inches='tight'), which draws it
+  twice."""
+  engine = fig.get_layout_engine()
+  constrained = engine is not None and type(engine).__name__ == 'ConstrainedLayoutEngine'
   with run_info.atomic_write(path, 'wb') as f:
-    fig.savefig(f, format='png', dpi=dpi, bbox_inches='tight')
+    fig.savefig(f, format='png', dpi=dpi, bbox_inches=None if constrained else 'tight')
   pyplot().close(fig)
