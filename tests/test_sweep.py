@@ -269,11 +269,11 @@ def test_plot_series_are_named_by_every_field_that_differs():
   legend names them all; the block-size sweep's num_blocks follows its x (no legend)."""
   from configs import ablate_kv_quant  # pylint: disable=import-outside-toplevel
   kvq = ablate_kv_quant.get_config('tiny')
-  rows = [dict(p, kv_bytes_per_token=b) for p, b in zip(kvq.sweep, (128, 72, 112))]
+  rows = [dict(p, kv_bytes_per_token=b) for p, b in zip(kvq.sweep, (72, 112))]
   fields = sweep.series_fields(rows, kvq.plot, sweep.swept_fields(kvq.sweep))
   assert fields == ['pool.kv_dtype', 'pool.kv_group_size', 'pool.kv_key_per_channel',
                     'pool.kv_recent_window']
-  assert plots.series_label(rows[2], fields) == (
+  assert plots.series_label(rows[1], fields) == (
       'int4, group 8, per-channel keys, recent window 16')
   bs = ablate_block_size.get_config('tiny')
   rows = [dict(p) for p in bs.sweep]
