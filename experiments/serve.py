@@ -59,8 +59,10 @@ from pagedjax.cluster import serve as serve_lib
 from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster
 from pagedjax.config import Config, ConfigError
 
+STAGE_COLUMNS = tuple(f'{name}_s' for name, _, _ in serve_lib.STAGES)
 REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'latency_s',
-                   'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_single')
+                   'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_single',
+                   'compile_s') + STAGE_COLUMNS
 ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
@@ -167,8 +169,12 @@ def make_requests(config, vocab_size: int) -> tuple:
 
 def replay(url: str, requests, concurrency: int, timeout_s: float) -> list:
   """Each request streamed at its arrival time (at most `concurrency` in flight); per request:
-  status, replica, tokens, TTFT and latency from its scheduled arrival."""
+  status, replica, tokens, TTFT and latency from its scheduled arrival, and where its TTFT went
+  (serve.STAGES: the path's stamps, the first from its scheduled arrival, the last its first
+  event here; their seconds add up to its TTFT) with the compile seconds its replica's engine
+  spent between its submission and its first token."""
   t0 = time.monotonic() + 0.5
+  wall = time.time() - time.monotonic()  # the stamps are wall-clock, these times monotonic
   results = [None] * len(requests)
 
   def one(i, r):
@@ -181,12 +187,18 @@ def replay(url: str, requests, concurrency: int, timeout_s: float) -> list:
     ok = status == 200 and events and 'choices' in events[-1]
     tokens = [t for e in events if 'choices' in e for t in e['choices'][0]['token_ids']]
     last = events[-1] if ok else {}
+    path = events[0].get('pagedjax', {}) if ok else {}
+    times = {**path.get('times', {}), 'arrival': arrival + wall, 'sent': sent + wall}
+    if ok and first is not None:
+      times['first_event'] = sent + first + wall
+    stages = {f'{name}_s': s for name, s in serve_lib.stage_seconds(times).items()}
     results[i] = {
         'request_id': r.request_id, 'status': status, 'prompt_tokens': len(r.prompt_ids),
         'ttft_s': (sent + first - arrival) if ok and first is not None else None,
         'latency_s': done - arrival, 'output_tokens': len(tokens), 'tokens': tokens,
         'replica': last.get('pagedjax', {}).get('replica'),
         'attempts': last.get('pagedjax', {}).get('attempts'),
+        'compile_s': path.get('compile_s'), **stages,
         'error': None if ok else str(events[-1] if events else 'no events')[:300]}
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -212,10 +224,17 @@ def share_compilation_cache(directory: str) -> None:
                     float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
 
 
+def longest_context(requests) -> int:
+  """The most tokens a request's context reaches (its prompt and output)."""
+  return max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+
+
 def single_engine_tokens(engine, requests) -> dict:
   """request id -> one engine's greedy tokens for it (all requests in one generate call). Run
-  in this process before any deployment: it also compiles the programs the replicas will ask
-  for into the shared compilation cache, so no router's TTFT pays for compiling them first."""
+  in this process before any deployment: it also compiles every program the replicas will ask
+  for (their warm-up: serve.warm_shapes and warm_up) into the shared compilation cache, so
+  the replicas load them instead of compiling."""
+  serve_lib.warm_shapes(engine, longest_context(requests))
   serve_lib.warm_up(engine)  # the replicas' own first request
   done = engine.generate([r.prompt_ids for r in requests],
                          dict(max_new_tokens=max(r.max_new_tokens for r in requests),
@@ -306,11 +325,17 @@ def quantile(values, q):
   return float(np.percentile(values, q)) if values else None
 
 
+def mean(values):
+  values = [v for v in values if v is not None]
+  return float(np.mean(values)) if values else None
+
+
 def live_router(config, typed, tokenizer, row, requests) -> tuple:
   s = config.serve
   deployment = serve_lib.ServeDeployment(
       typed, s.replicas, row, tokenizer=tokenizer, max_ongoing_requests=s.max_ongoing_requests,
-      request_timeout_s=s.request_timeout_s, start_timeout_s=s.start_timeout_s)
+      request_timeout_s=s.request_timeout_s, start_timeout_s=s.start_timeout_s,
+      warm_context_tokens=longest_context(requests))
   with deployment:
     # one request shorter than a block first: Serve builds a handle's router on its first
     # request (Ray's prefix router then creates its tree actor, seconds under load); cached
@@ -321,6 +346,7 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
     # an engine step of 3 tokens, on idle replicas (the simulated cluster has no such path)
     idle = [serve_lib.post_stream(deployment.url, probe, s.request_timeout_s)[2]
             for _ in range(IDLE_PROBES)]
+    before = deployment.replica_summaries()  # (their compile seconds before the replay)
     t0 = time.monotonic()
     rows = replay(deployment.url, requests, s.concurrency, s.request_timeout_s)
     replay_s = time.monotonic() - t0
@@ -354,9 +380,17 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       'keys_handed': sum(x.get('keys_handed', 0) for x in summaries.values()),
       'start_s': deployment.start_s, 'replay_s': replay_s,
       'replica_requests': per_replica,
+      # where the TTFT went: each stage's mean over the answered requests (means add up to the
+      # mean TTFT; medians would not), and the replicas' compile seconds during the replay
+      'ttft_mean_s': mean([r['ttft_s'] for r in rows]),
+      'stages_mean_s': {name: mean([r[name] for r in rows if r['ttft_s'] is not None])
+                        for name in STAGE_COLUMNS},
+      'replay_compile_s': sum((x.get('compile_s') or 0) - (before.get(uid, {}).get(
+          'compile_s') or 0) for uid, x in summaries.items()),
       'replica_summaries': {uid: {k: x.get(k) for k in (
           'finished_requests', 'prefix_hit_rate_tokens', 'prompt_tokens_computed',
-          'prefix_cache_evictions')} for uid, x in summaries.items()}}
+          'prefix_cache_evictions', 'iterations', 'compile_s', 'num_compilations',
+          'host_s_per_step', 'device_s_per_step')} for uid, x in summaries.items()}}
   print(f"{row[0]:>12}: started in {deployment.start_s:.0f} s, {ok}/{len(rows)} answered in "
         f"{replay_s:.1f} s", flush=True)
   return figures, [{'router': row[0], **r} for r in rows]
@@ -470,6 +504,12 @@ def study(config, workdir: str) -> dict:
     table += (f'\nLive against simulated on {device.hardware.name} (TTFT p50: live wall s, '
               f'simulated s of its cost model; at most {s.concurrency} requests in flight in '
               f'both)\n\n{run_info.markdown_table(simulated, COMPARE_COLUMNS)}\n')
+  stages = [{'router': r['router'], 'ttft_mean_s': r['ttft_mean_s'], **{
+      name[:-2]: r['stages_mean_s'][name] for name in STAGE_COLUMNS},
+              'replay_compile_s': r['replay_compile_s']} for r in routers]
+  table += ('\nWhere a live TTFT went: each stage\'s mean over the requests, s (they add up '
+            'to the mean TTFT; pagedjax/cluster/serve.py STAGES), and the seconds the replicas '
+            f'compiled during the replay\n\n{run_info.markdown_table(stages, list(stages[0]))}\n')
   cli.write_table(workdir, table)
   plot(routers, workdir, title)
   summary = {

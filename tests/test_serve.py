@@ -85,6 +85,41 @@ def test_completions_equal_a_single_engine(setup):
   assert streamed == reference(engine, prompts[0], 6)
   assert ''.join(e['choices'][0]['text'] for e in events) == tokenizer.decode(streamed)
   assert events[-1]['choices'][0]['finish_reason'] == 'length'
+  # the first event carries the request's stamps along the path, in order (serve.STAGES)
+  times = events[0]['pagedjax']['times']
+  path = [end for _, _, end in serve_lib.STAGES][1:-1]  # the ingress's to the first item's
+  assert [times[name] for name in path] == sorted(times[name] for name in path), times
+
+
+def test_stage_seconds_add_up_to_the_span_they_cover():
+  """Without Ray: a missing end stamp leaves its stage out; a missing start (Ray's routers
+  stamp nothing) starts the stage at the last stamp before it."""
+  names = [end for _, _, end in serve_lib.STAGES]
+  times = {'arrival': 10.0, **{name: 11.0 + i for i, name in enumerate(names)}}
+  stages = serve_lib.stage_seconds(times)
+  assert all(s == 1.0 for s in stages.values())
+  del times['route_start'], times['pulled'], times['routed']
+  stages = serve_lib.stage_seconds(times)
+  assert stages['to_router'] is stages['pull'] is stages['policy'] is None
+  assert stages['to_replica'] == times['replica'] - times['handle'] == 4.0
+  assert sum(s for s in stages.values() if s is not None) == times['first_event'] - 10.0
+
+
+def test_warm_shapes_leave_nothing_to_compile(setup):
+  """After warm_shapes(engine, n) on a fresh engine, a batch of requests whose contexts stay
+  within n tokens compiles nothing, and gets the tokens each request gets alone (the warm-up
+  wrote KV where no request reads). An engine that holds blocks is refused: the warm-up's
+  calls write into every block, cached ones too."""
+  _, engine, tokenizer = setup
+  prompts = [list(range(10 + i, 50 + 5 * i)) for i in range(4)]
+  alone = [reference(engine, p, 4) for p in prompts]
+  with pytest.raises(ValueError, match='blocks are held or cached'):
+    serve_lib.warm_shapes(engine, 256)  # (its cache holds these prompts' blocks)
+  fresh = factory.build_engine(engine.config, tokenizer)
+  assert serve_lib.warm_shapes(fresh, 256) > 0
+  done = fresh.generate(prompts, dict(max_new_tokens=4, temperature=0.0, stop_on_eos=False))
+  assert fresh.num_compilations == 0
+  assert [c.output_ids for c in done] == alone
 
 
 @pytest.mark.parametrize('fields, says', [

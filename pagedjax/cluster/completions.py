@@ -37,6 +37,9 @@ class RoutedPrompt:
   # first sees the request, and kept for on_request_routed and for a retry after a replica died
   route: Optional[routers_lib.RouteRequest] = dataclasses.field(default=None, repr=False,
                                                                 compare=False)
+  # wall-clock stamps (time.time(); every process is on one machine) of the request's way to
+  # its first token, added by the ingress, the router and the replica (serve.STAGES)
+  times: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
   @property
   def salt(self) -> Optional[str]:

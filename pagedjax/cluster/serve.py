@@ -10,7 +10,9 @@
                                    router pulls what is new before each decision
 
   EngineReplica      one pagedjax engine (factory.build_engine) per Serve replica, driven by a
-                     thread that steps it while it has work; `complete` (whole answer) and
+                     thread that submits what comes in between two steps and steps it while
+                     it has work (every step shape run before it takes traffic, warm_shapes:
+                     a request never waits for a compilation); `complete` (whole answer) and
                      `complete_stream` (token deltas). A request the engine refuses comes back
                      as {'error': RequestError message}, never an exception.
   KVEventBus         a Ray actor holding, in order, every replica's KV event batches
@@ -78,6 +80,41 @@ RAY_ROUTERS = {
 }
 FINISH_REASONS = {'eos': 'stop'}  # pagedjax's reason -> OpenAI's; the rest are 'length'
 
+# A request's way to its first token, as wall-clock stamps (time.time(), one machine):
+# (stage, from stamp, to stamp). The ingress, the router and the replica stamp the request
+# (RoutedPrompt.times) and the replica's first answer carries them back (the first streamed
+# event's `pagedjax.times`); the client adds its own: 'arrival' (when the request was due),
+# 'sent' and 'first_event'. Ray's routers add no router stamps.
+STAGES = (
+    ('wait_slot', 'arrival', 'sent'),          # the client's connections were all busy
+    ('to_ingress', 'sent', 'ingress'),         # HTTP, Serve's proxy, its call to the ingress
+    ('parse', 'ingress', 'handle'),            # the body read and parsed
+    ('to_router', 'handle', 'route_start'),    # Serve's handle, until a routing task runs it
+    ('pull', 'route_start', 'pulled'),         # the router's pull from the KV event bus
+    ('policy', 'pulled', 'routed'),            # the policy's decision
+    ('to_replica', 'routed', 'replica'),       # Serve sends it; the replica's loop takes it
+    ('submit', 'replica', 'submitted'),        # to the engine's thread, between two steps
+    ('engine_queue', 'submitted', 'scheduled'),  # until a step starts with it in the batch
+    ('prefill', 'scheduled', 'first_token'),   # its prompt's steps, to its first token
+    ('to_ingress_back', 'first_token', 'first_item'),  # the replica's stream to the ingress
+    ('to_client', 'first_item', 'first_event'),        # the SSE event through the proxy
+)
+
+
+def stage_seconds(times: dict) -> Dict[str, Optional[float]]:
+  """STAGES' seconds from a request's stamps. A stage whose end stamp is missing is None; one
+  whose start stamp is missing starts at the last stamp before it (with Ray's routers,
+  'to_replica' runs from 'handle'), so the stages present add up to the span they cover."""
+  out, last = {}, None
+  for name, start, end in STAGES:
+    begin = times.get(start, last)
+    if end in times and begin is not None:
+      out[name] = times[end] - begin
+      last = times[end]
+    else:
+      out[name] = None
+  return out
+
 
 # ---- the request (completions.py: its class must not be defined in this module, see there) ---
 
@@ -140,9 +177,10 @@ class KVEventBus:
 class _Waiter:
   """A request in flight on a replica: the loop and queue its caller waits on."""
 
-  def __init__(self, loop, stream: bool, request_id: str):
+  def __init__(self, loop, stream: bool, request: RoutedPrompt):
     self.loop, self.stream, self.queue, self.sent = loop, stream, asyncio.Queue(), 0
-    self.request_id = request_id
+    self.request_id, self.times = request.request_id, request.times
+    self.compile_s = None  # the engine's compile seconds when it was submitted
 
   def put(self, item) -> None:
     self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -156,31 +194,71 @@ def warm_up(engine) -> None:
   engine.generate([[1, 2, 3]], dict(max_new_tokens=2, temperature=0.0))
 
 
+def warm_shapes(engine, context_tokens: int) -> int:
+  """Every step shape the engine can call (rows, query tokens and table width buckets) for
+  contexts up to `context_tokens`, run once now (pagedjax/sim/calibrate.py's step grid), so
+  that serving compiles nothing; with JAX's persistent compilation cache filled by an engine of
+  the same config (the driver's), a replica loads them. Without it a replica met its row and
+  width buckets while serving, and every request on it waited: 3-4 new shapes per replica
+  in a replay of 60 requests, 0.4-2.2 s each under load. The calls write KV into every block
+  of the pool, so it runs only on an engine that holds nothing yet (ValueError otherwise);
+  a request then reads only positions it wrote itself. Returns how many programs it traced (compiled, or
+  loaded from that cache)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from pagedjax.device import traces  # pylint: disable=import-outside-toplevel  (jax)
+  from pagedjax.sim import calibrate  # pylint: disable=import-outside-toplevel
+  executor, cfg = engine.executor, engine.config
+  allocator = engine.allocator
+  held = allocator.num_blocks - 1 - len(allocator.free_blocks())
+  if held or engine.has_work():
+    raise ValueError(f'warm_shapes needs an engine that holds nothing (its calls write KV into '
+                     f'every block of the pool): {held} blocks are held or cached, and it has '
+                     f'{"" if engine.has_work() else "no "}requests in flight')
+  widths = [w * executor.block_size for w in executor.table_width_buckets]
+  reach = min([w for w in widths if w >= context_tokens] or [widths[-1]])
+  budget = (cfg.scheduler.max_num_batched_tokens or
+            cfg.engine.max_batch_size * cfg.engine.prefill_chunk)
+  # fill 1.0: every rows bucket is some point's own row count
+  points = [p for p in calibrate.step_grid(executor, budget, cfg.engine.prefill_chunk, (1.0,))
+            if max(ctx for _, ctx in p.rows) <= reach]
+  rng = np.random.default_rng(0)
+  before = traces.count()  # (engine.num_compilations counts its own device calls only)
+  calibrate.compile_shapes(executor, [calibrate.grid_inputs(
+      p, executor, engine.model_cfg.vocab_size, rng) for p in points])
+  return traces.count() - before
+
+
 class EngineReplica:
   """One engine per Serve replica (see the module docstring)."""
 
   STATE_EVERY_S = 0.02  # load figures alone are published at most this often
 
-  def __init__(self, config, bus_name: str, tokenizer=None):
+  def __init__(self, config, bus_name: str, tokenizer=None,
+               warm_context_tokens: Optional[int] = None):
     """tokenizer: the driver's (None: the replica loads the config's; parsing a GGUF takes
-    seconds per replica)."""
+    seconds per replica). warm_context_tokens: every step shape for contexts up to this many
+    tokens is run before the replica takes traffic (warm_shapes); None: only warm_up's."""
     from pagedjax import factory  # pylint: disable=import-outside-toplevel  (jax: replicas only)
     self.engine = engine = factory.build_engine(config, tokenizer)
     if engine.prefix_cache is None:
       raise ValueError('a served replica needs prefix_cache.enabled=True (the routers route by '
                        'cached prefix)')
+    if warm_context_tokens:
+      warm_shapes(engine, warm_context_tokens)
     warm_up(engine)
     self.uid = serve.get_replica_context().replica_id.unique_id
     self.log = kv_events.EventLog(engine.prefix_cache.events)
     self.capacity = engine.allocator.num_blocks - 1
     self.bus = ray.get_actor(bus_name, namespace=BUS_NAMESPACE)
     self.waiters: Dict[int, _Waiter] = {}
+    # requests come in here and the engine's thread submits them, between two steps (_admit)
+    self._inbox: collections.deque = collections.deque()
     # requests whose chain keys came computed from the router (RoutedPrompt.route), so the
     # engine did not hash their prompts again
     self.keys_handed = 0
     self._last_state, self._dirty = 0.0, False
     self._wake, self._stop = threading.Event(), threading.Event()
-    self._publish(force=True)
+    self._publish(force=True, summary=True)  # (its warm-up's figures: compile seconds)
     self._thread = threading.Thread(target=self._drive, name='pagedjax-engine', daemon=True)
     self._thread.start()
 
@@ -188,6 +266,7 @@ class EngineReplica:
 
   def _drive(self) -> None:
     while not self._stop.is_set():
+      self._admit()
       if not self.engine.has_work():
         if self._dirty:  # gone idle: the figures of what it served so far
           if self.engine.tiers is not None:  # disk writes in flight land (and are announced)
@@ -195,36 +274,87 @@ class EngineReplica:
               self.engine.tiers.flush()
           self._publish(force=True, summary=True)
           self._dirty = False
-        self._wake.wait(0.05)
+        self._wake.wait(0.05)  # a request coming in sets it (after its append: none is missed)
         self._wake.clear()
         continue
       with self.engine.lock:  # the step and its notifications as one: no waiter misses its end
+        started = time.time()
         try:
           done = self.engine.step()
         except Exception as e:  # pylint: disable=broad-except  (a bug: fail what is in flight)
           for rid in list(self.waiters):
             self.waiters.pop(rid).put({'error': f'engine step failed: {e!r}', 'status': 500})
           continue
-        self._notify(done)
+        self._notify(done, started)
       self._dirty = True
       self._publish()
 
-  def _notify(self, done) -> None:
+  def _admit(self) -> None:
+    """The requests that came in since the last iteration, into the engine, on this thread.
+    (A submission from another thread waits for the engine's lock, which this thread takes
+    again right after each step: a lock is not fair, so on a busy engine it could wait for
+    several steps; and it took a hop through the loop's executor.)"""
+    while self._inbox:
+      request, waiter = self._inbox.popleft()
+      with self.engine.lock:
+        try:
+          rid = self.engine.submit(request.prompt_ids, request.params)
+        except RequestError as e:
+          waiter.put({'error': str(e), 'status': 400, 'replica': self.uid})
+          continue
+        except Exception as e:  # pylint: disable=broad-except  (a bug: fail this request)
+          waiter.put({'error': f'engine submit failed: {e!r}', 'status': 500})
+          continue
+        if request.route is not None:  # the chain keys the router computed: not hashed again
+          self.keys_handed += request.route.hand_keys(self.engine, rid)
+        waiter.compile_s = self.engine.stats['compile_seconds']
+        request.times['submitted'] = time.time()
+        self.waiters[rid] = waiter
+
+  def _notify(self, done, started: float) -> None:
+    """Each waiter's new tokens (a stream's) or its end, after the step that began at
+    `started`; the request's first answer carries its stamps (STAGES)."""
+    now = time.time()
     for c in done:
       waiter = self.waiters.pop(c.request_id, None)
       if waiter is not None:
+        self._stamp(waiter, started, now, scheduled=True, sampled=True)
         waiter.put(self._final(c, waiter))
     live = self.engine.completions.live
     for rid, waiter in self.waiters.items():
       seq = live.get(rid)
-      if waiter.stream and seq is not None and len(seq.output_ids) > waiter.sent:
-        waiter.put({'token_ids': list(seq.output_ids[waiter.sent:])})
+      if seq is None:
+        continue
+      self._stamp(waiter, started, now, scheduled=seq.num_cached > 0,
+                  sampled=bool(seq.output_ids))
+      if waiter.stream and len(seq.output_ids) > waiter.sent:
+        waiter.put({'token_ids': list(seq.output_ids[waiter.sent:]), **self._first(waiter)})
         waiter.sent = len(seq.output_ids)
+
+  def _stamp(self, waiter: _Waiter, started: float, now: float, scheduled: bool,
+             sampled: bool) -> None:
+    """'scheduled': the start of the first step after which the request holds KV (its prompt
+    admitted: cached or computed); 'first_token': the end of the step that sampled its first
+    token, and the compile seconds its engine spent meanwhile."""
+    times = waiter.times
+    if scheduled and 'scheduled' not in times:
+      times['scheduled'] = started
+    if sampled and 'first_token' not in times:
+      times['first_token'] = now
+      waiter.compile_s = self.engine.stats['compile_seconds'] - waiter.compile_s
+
+  def _first(self, waiter: _Waiter) -> dict:
+    """What a request's first answer adds: its stamps, and the compile seconds between its
+    submission and its first token."""
+    if waiter.sent:
+      return {}
+    return {'times': dict(waiter.times), 'compile_s': waiter.compile_s}
 
   def _final(self, c, waiter: _Waiter) -> dict:
     out = {'token_ids': list(c.output_ids[waiter.sent:]), 'replica': self.uid, 'done': True,
            'finish_reason': FINISH_REASONS.get(c.finish_reason, 'length'),
-           'prompt_tokens': len(c.prompt_ids), 'completion_tokens': len(c.output_ids)}
+           'prompt_tokens': len(c.prompt_ids), 'completion_tokens': len(c.output_ids),
+           **self._first(waiter)}
     if not waiter.stream:
       out['text'] = c.text
     return out
@@ -257,36 +387,24 @@ class EngineReplica:
 
   # the requests --------------------------------------------------------------------------------
 
-  async def _submit(self, request: RoutedPrompt, stream: bool):
-    """-> (waiter, None) or (None, error dict) when the engine refuses the request."""
-    waiter = _Waiter(asyncio.get_running_loop(), stream, request.request_id)
-
-    def submit():
-      with self.engine.lock:
-        rid = self.engine.submit(request.prompt_ids, request.params)
-        if request.route is not None:  # the chain keys the router computed: not hashed again
-          self.keys_handed += request.route.hand_keys(self.engine, rid)
-        self.waiters[rid] = waiter
-    try:
-      await asyncio.get_running_loop().run_in_executor(None, submit)
-    except RequestError as e:
-      return None, {'error': str(e), 'status': 400, 'replica': self.uid}
+  def _submit(self, request: RoutedPrompt, stream: bool) -> _Waiter:
+    """The request to the engine's thread (_admit); its answers, or the engine's refusal
+    ({'error', 'status': 400}), come on the waiter's queue."""
+    request.times['replica'] = time.time()
+    waiter = _Waiter(asyncio.get_running_loop(), stream, request)
+    self._inbox.append((request, waiter))
     self._wake.set()
-    return waiter, None
+    return waiter
 
   async def complete(self, request: RoutedPrompt) -> dict:
     """The whole completion: token_ids, text, finish_reason, counts, the replica's id; or
     {'error', 'status'}."""
-    waiter, error = await self._submit(request, stream=False)
-    return error or await waiter.queue.get()
+    return await self._submit(request, stream=False).queue.get()
 
   async def complete_stream(self, request: RoutedPrompt):
     """Yields {'token_ids': new ids} as they are sampled, the last with 'done' and the counts;
     or one {'error', 'status'}."""
-    waiter, error = await self._submit(request, stream=True)
-    if error:
-      yield error
-      return
+    waiter = self._submit(request, stream=True)
     while True:
       item = await waiter.queue.get()
       yield item
@@ -329,6 +447,8 @@ class PagedjaxRequestRouter(RequestRouter):
   disk tiers are one shared store, disk_store.make_shared: the index counts a block any of them
   announced on disk as on every replica's)."""
 
+  FETCH_TIMEOUT_S = 30.0  # a pull not back by then is given up; the next decision pulls again
+
   def initialize_state(self, router: str = 'precise', router_kwargs: Optional[dict] = None,
                        bus: str = '', pull_timeout_s: float = 0.5, shared_store: bool = False):
     self.policy = routers_lib.make_router(router, **(router_kwargs or {}))
@@ -337,6 +457,7 @@ class PagedjaxRequestRouter(RequestRouter):
     self._new_index()
     self._bus_name, self._bus, self._pull_timeout_s = bus, None, pull_timeout_s
     self._cursor = 0
+    self._fetching: Optional[asyncio.Future] = None  # the pull from the bus in flight
     self._states: Dict[str, dict] = {}
     self._numbers: Dict[str, int] = {}  # replica unique id -> the int the policy sees
     self.decisions, self.pull_failures = 0, 0
@@ -350,19 +471,33 @@ class PagedjaxRequestRouter(RequestRouter):
     return self._numbers.setdefault(uid, len(self._numbers))
 
   async def _pull(self) -> None:
+    """What the bus has that is new, into the index, before a decision; waiting at most
+    pull_timeout_s (past it, the decision is made on what is known and the pull lands later).
+    One pull at a time: decisions while one is in flight wait for that one. (Concurrent
+    decisions each with its own pull from the same cursor apply the same batches twice, and
+    an older reply landing after a newer one would bring back blocks the newer had removed.)"""
+    if self._fetching is None:
+      self._fetching = asyncio.ensure_future(self._fetch())
+    try:
+      await asyncio.wait_for(asyncio.shield(self._fetching), self._pull_timeout_s)
+    except asyncio.TimeoutError:
+      self.pull_failures += 1
+
+  async def _fetch(self) -> None:
     try:
       if self._bus is None:
         self._bus = ray.get_actor(self._bus_name, namespace=BUS_NAMESPACE)
       cursor, batches, states, lost = await asyncio.wait_for(
-          self._bus.since.remote(self._cursor), self._pull_timeout_s)
+          self._bus.since.remote(self._cursor), self.FETCH_TIMEOUT_S)
+      if lost:  # the bus dropped batches this router never read: start the index over
+        self._new_index()
+      for uid, wire in batches:
+        self.kv_index.apply(self._number(uid), kv_events.batch_from_wire(wire))
+      self._cursor, self._states = cursor, states
     except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError):
-      self.pull_failures += 1  # decide on what is known; the next pull catches up
-      return
-    if lost:  # the bus dropped batches this router never read: start the index over
-      self._new_index()
-    for uid, wire in batches:
-      self.kv_index.apply(self._number(uid), kv_events.batch_from_wire(wire))
-    self._cursor, self._states = cursor, states
+      self.pull_failures += 1  # decided on what is known; the next pull catches up
+    finally:  # (only now: a pull started before the batches landed would repeat them)
+      self._fetching = None
 
   def _state(self, replica: RunningReplica) -> routers_lib.ReplicaState:
     uid = replica.replica_id.unique_id
@@ -377,11 +512,16 @@ class PagedjaxRequestRouter(RequestRouter):
                             ) -> List[List[RunningReplica]]:
     if not candidate_replicas:
       return []
+    arg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    times = arg.times if isinstance(arg, RoutedPrompt) else {}  # its stamps (STAGES)
+    times['route_start'] = time.time()
     await self._pull()
+    times['pulled'] = time.time()
     states = [self._state(r) for r in candidate_replicas]
     pick = self.policy.route(route_request(pending_request), states)
     self.decisions += 1
     first = next(r for r, s in zip(candidate_replicas, states) if s.index == pick)
+    times['routed'] = time.time()
     return [[first], [r for r in candidate_replicas if r is not first]]
 
   def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -434,6 +574,7 @@ class CompletionsIngress:
 
   async def __call__(self, request):
     from starlette.responses import JSONResponse  # pylint: disable=import-outside-toplevel
+    received = time.time()
     if request.url.path.rstrip('/') != ROUTE or request.method != 'POST':
       return _error(404, f'{request.method} {request.url.path} is not served: POST {ROUTE}')
     try:
@@ -444,11 +585,13 @@ class CompletionsIngress:
       routed = parse_completion(body, self.tokenizer)
     except RequestError as e:
       return _error(400, str(e))
+    routed.times['ingress'] = received
     if routed.stream:
       return await self._stream(routed)
     out, attempts = None, 0
     while out is None:
       attempts += 1
+      routed.times['handle'] = time.time()
       try:
         out = await asyncio.wait_for(self.engines.complete.remote(routed),
                                      self.request_timeout_s)
@@ -469,6 +612,8 @@ class CompletionsIngress:
     body = {'id': routed.request_id, 'object': 'text_completion', 'created': int(time.time()),
             'model': routed.model, 'choices': [choice],
             'pagedjax': {'replica': out.get('replica'), 'attempts': attempts}}
+    if 'times' in out:  # the request's first answer: its stamps to here (STAGES)
+      body['pagedjax'].update(times=out['times'], compile_s=out['compile_s'])
     if 'prompt_tokens' in out:
       body['usage'] = {'prompt_tokens': out['prompt_tokens'],
                        'completion_tokens': out['completion_tokens'],
@@ -486,10 +631,13 @@ class CompletionsIngress:
       while True:
         attempts[0] += 1
         skip = len(sent)
+        routed.times['handle'] = time.time()
         gen = self.engines.options(stream=True).complete_stream.remote(routed)
         try:
           while True:
             item = await asyncio.wait_for(gen.__anext__(), self.request_timeout_s)
+            if 'times' in item:
+              item['times']['first_item'] = time.time()
             ids = item.get('token_ids', [])
             drop = min(skip, len(ids))
             item = {**item, 'token_ids': ids[drop:]}
@@ -585,18 +733,21 @@ class ServeDeployment:
   def __init__(self, config, replicas: int, row=('precise', 'precise', {}), *, tokenizer=None,
                port: int = 0, max_ongoing_requests: int = 32, request_timeout_s: float = 120.0,
                start_timeout_s: float = 300.0, ray_init: Optional[dict] = None,
-               shared_store: bool = False):
-    """shared_store: the replicas' disk tiers (config.tiers.disk_kvstore, disk_blocks) are one
-    store, marked shared before they start (disk_store.make_shared): a block one replica
-    computed is a tier-3 hit on the others and on a replica that replaces a dead one, and the
-    router counts it on every replica."""
+               shared_store: bool = False, warm_context_tokens: Optional[int] = None):
+    """warm_context_tokens: each replica runs every step shape for contexts up to this many
+    tokens (the longest prompt and output it will serve) before it takes traffic
+    (warm_shapes), so that no request waits for a compilation; None: only a short request's
+    shapes (warm_up). shared_store: the replicas' disk tiers (config.tiers.disk_kvstore,
+    disk_blocks) are one store, marked shared before they start (disk_store.make_shared): a
+    block one replica computed is a tier-3 hit on the others and on a replica that replaces a
+    dead one, and the router counts it on every replica."""
     if not isinstance(replicas, int) or replicas < 1:
       raise ValueError(f'replicas={replicas!r} is not allowed: an integer >= 1')
     if shared_store and not (config.tiers.disk_blocks and config.tiers.disk_kvstore):
       raise ValueError(f'shared_store=True needs a disk tier to share: config.tiers.disk_blocks='
                        f'{config.tiers.disk_blocks} and disk_kvstore='
                        f'{config.tiers.disk_kvstore!r} (a store URL and its slots)')
-    self.shared_store = shared_store
+    self.shared_store, self.warm_context_tokens = shared_store, warm_context_tokens
     self.config, self.replicas, self.row, self.tokenizer = config, replicas, row, tokenizer
     self.port = port or free_port()
     self.url = f'http://127.0.0.1:{self.port}{ROUTE}'
@@ -646,7 +797,8 @@ class ServeDeployment:
         max_ongoing_requests=self.max_ongoing_requests,
         request_router_config=router_config(self.row, self.bus_name, self.shared_store),
         health_check_period_s=2, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name, self.tokenizer)
+        graceful_shutdown_timeout_s=5).bind(self.config, self.bus_name, self.tokenizer,
+                                            self.warm_context_tokens)
     ingress = serve.deployment(CompletionsIngress).options(
         name='CompletionsIngress', ray_actor_options={'num_cpus': 0},
         max_ongoing_requests=1000).bind(engines, self.tokenizer, self.request_timeout_s)
