@@ -9,8 +9,15 @@ ServeDeployment, caches cold, Ray on 127.0.0.1 only), the requests replayed at t
 times (streamed, greedy, ignore_eos, at most serve.concurrency in flight), then each replica's
 engine figures. TTFT is wall time from a request's scheduled arrival to its first streamed
 event, on this machine under its load (recorded): compare routers within one run, not with
-other machines. `idle_ttft_s` is the serving path's own share: the median TTFT of a 3-token
-request on the idle deployment, sent before the replay. The hit rate (prompt tokens found in
+other machines. Each request's TTFT is split into stages by wall-clock stamps along its path
+(pagedjax/cluster/serve.py STAGES: its wait for a free connection, the proxy, the ingress, the
+router and its bus pull, the replica, the engine's queue and prompt steps, the way back), and
+each replica runs every step shape the requests can reach before it takes traffic
+(serve.warm_shapes: without it, replicas compiled during the replay and requests waited
+seconds). The serving path is `path_p50_s` (the median over the replay's requests of the
+TTFT less the stages the simulated cluster has too: the wait for a connection and the
+engine's) and `idle_ttft_s` (the median TTFT of a 3-token request on the idle deployment,
+sent before the replay). The hit rate (prompt tokens found in
 the replicas' prefix caches) depends on where requests went and in what order they ran, so on
 the machine's speed only through how busy each replica is at each arrival (what the routers'
 load terms see).
@@ -29,14 +36,16 @@ against its simulation), a profile .json such a calibration wrote, or a preset n
 answers the tiny model in milliseconds: its replicas are idle at every arrival, and neither
 hit rates nor TTFT are comparable with this machine's). Per router: hit rate live and
 simulated and their difference, TTFT p50 live and simulated and their ratio, and the same
-ratio with the serving path added to the simulated figure (idle_ttft_s: the simulated cluster
-has no HTTP, proxy, ingress or replica call).
+ratio with the serving path added to the simulated figure (idle_ttft_s or path_p50_s: the
+simulated cluster has no HTTP, proxy, ingress or replica call).
 
 Writes to WORKDIR:
-  requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts
+  requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts,
+                 TTFT's stages (s), its serving path, the compile seconds its replica spent
+                 between its submission and its first token
   routers.csv    per router: live and simulated figures
   hardware_profile.json  this machine's fitted cost model (serve.sim_hardware='calibrate')
-  table.md       the routers table
+  table.md       the routers table, live against simulated, and each stage's mean per router
   serve.png      hit rate (live, simulated) and TTFT p50/p90 per router
   summary.json   everything above, the load averages at start and end, start times, config,
                  versions, git state
@@ -60,20 +69,25 @@ from pagedjax.cluster.sim import ClusterRequest, SimulatedCluster
 from pagedjax.config import Config, ConfigError
 
 STAGE_COLUMNS = tuple(f'{name}_s' for name, _, _ in serve_lib.STAGES)
+# the stages the simulated cluster has too (the client's wait for a free connection, the
+# engine's queue and prompt steps); the rest of a live TTFT is the serving path (path_s)
+SIMULATED_STAGES = ('wait_slot_s', 'engine_queue_s', 'prefill_s')
 REQUEST_COLUMNS = ('router', 'request_id', 'replica', 'status', 'ttft_s', 'latency_s',
                    'prompt_tokens', 'output_tokens', 'attempts', 'same_tokens_as_single',
-                   'compile_s') + STAGE_COLUMNS
+                   'compile_s', 'path_s') + STAGE_COLUMNS
 ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'prefix_hit_rate_tokens', 'prompt_tokens_computed', 'ttft_p50_s', 'ttft_p90_s',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
-                  'same_tokens_as_single', 'keys_handed', 'idle_ttft_s', 'start_s', 'replay_s',
-                  'sim_prefix_hit_rate_tokens',
+                  'same_tokens_as_single', 'keys_handed', 'idle_ttft_s', 'path_p50_s',
+                  'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
                   'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
-                  'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50')
+                  'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50',
+                  'sim_plus_path_over_live_ttft_p50')
 COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
                    'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
                    'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
-                   'sim_plus_idle_over_live_ttft_p50')
+                   'sim_plus_idle_over_live_ttft_p50', 'path_p50_s', 'sim_plus_path_ttft_p50_s',
+                   'sim_plus_path_over_live_ttft_p50')
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -187,18 +201,21 @@ def replay(url: str, requests, concurrency: int, timeout_s: float) -> list:
     ok = status == 200 and events and 'choices' in events[-1]
     tokens = [t for e in events if 'choices' in e for t in e['choices'][0]['token_ids']]
     last = events[-1] if ok else {}
-    path = events[0].get('pagedjax', {}) if ok else {}
-    times = {**path.get('times', {}), 'arrival': arrival + wall, 'sent': sent + wall}
+    stamped = events[0].get('pagedjax', {}) if ok else {}
+    times = {**stamped.get('times', {}), 'arrival': arrival + wall, 'sent': sent + wall}
     if ok and first is not None:
       times['first_event'] = sent + first + wall
     stages = {f'{name}_s': s for name, s in serve_lib.stage_seconds(times).items()}
+    ttft = (sent + first - arrival) if ok and first is not None else None
+    simulated = [stages[name] for name in SIMULATED_STAGES]
+    path = None if ttft is None or None in simulated else ttft - sum(simulated)
     results[i] = {
         'request_id': r.request_id, 'status': status, 'prompt_tokens': len(r.prompt_ids),
-        'ttft_s': (sent + first - arrival) if ok and first is not None else None,
+        'ttft_s': ttft, 'path_s': path,
         'latency_s': done - arrival, 'output_tokens': len(tokens), 'tokens': tokens,
         'replica': last.get('pagedjax', {}).get('replica'),
         'attempts': last.get('pagedjax', {}).get('attempts'),
-        'compile_s': path.get('compile_s'), **stages,
+        'compile_s': stamped.get('compile_s'), **stages,
         'error': None if ok else str(events[-1] if events else 'no events')[:300]}
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -376,6 +393,9 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       'imbalance_requests': (max(per_replica) / np.mean(per_replica)
                              if per_replica and np.mean(per_replica) else None),
       'idle_ttft_s': quantile(idle, 50),
+      # the serving path as the replay's own requests met it: TTFT less the client's slot
+      # wait and the engine's queue and prompt steps (SIMULATED_STAGES)
+      'path_p50_s': quantile([r['path_s'] for r in rows], 50),
       # requests whose engine took the router's chain keys instead of hashing the prompt
       'keys_handed': sum(x.get('keys_handed', 0) for x in summaries.values()),
       'start_s': deployment.start_s, 'replay_s': replay_s,
@@ -423,8 +443,11 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
   f = cluster.figures()
   hit, live_hit = f['prefix_hit_rate_tokens'], live.get('prefix_hit_rate_tokens')
   ttft, live_ttft, idle = f['ttft_p50_s'], live.get('ttft_p50_s'), live.get('idle_ttft_s')
-  # the serving path the simulated cluster has not, as the idle deployment measured it
+  # the serving path the simulated cluster has not, as the idle deployment measured it, and
+  # as the replay's requests met it (path_p50_s)
   with_path = ttft + idle if ttft is not None and idle is not None else None
+  path = live.get('path_p50_s')
+  with_live_path = ttft + path if ttft is not None and path is not None else None
   return {'sim_prefix_hit_rate_tokens': hit,
           'sim_hit_rate_minus_live': (hit - live_hit if None not in (hit, live_hit) else None),
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
@@ -433,6 +456,9 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_plus_idle_ttft_p50_s': with_path,
           'sim_plus_idle_over_live_ttft_p50': (with_path / live_ttft if with_path is not None and
                                                live_ttft else None),
+          'sim_plus_path_ttft_p50_s': with_live_path,
+          'sim_plus_path_over_live_ttft_p50': (with_live_path / live_ttft if with_live_path
+                                               is not None and live_ttft else None),
           'sim_replica_requests': [r.routed for r in cluster.replicas],
           'sim_rejected': f['rejected_requests']}
 
