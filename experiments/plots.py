@@ -172,8 +172,8 @@ def save(fig, path: str, dpi: int = 120) -> None:
   matplotlib's constrained layout already fits its titles, labels and legends inside it, so it
   is drawn once; any other is cropped to what it draws (bbox_inches='tight'), which draws it
   twice."""
-  engine = fig.get_layout_engine()
-  constrained = engine is not None and type(engine).__name__ == 'ConstrainedLayoutEngine'
+  from matplotlib.layout_engine import ConstrainedLayoutEngine  # pylint: disable=g-import-not-at-top
+  constrained = isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine)
   with run_info.atomic_write(path, 'wb') as f:
     fig.savefig(f, format='png', dpi=dpi, bbox_inches=None if constrained else 'tight')
   pyplot().close(fig)
