@@ -474,7 +474,7 @@ class Int4KiviKeys(Int4Groups):
     pos = logical[:, :, None] * pool.block_size + jnp.arange(pool.block_size)  # [B, span, bs]
     pos = jnp.where((physical != NULL_BLOCK)[:, :, None], pos, k_lo.shape[1])  # else dropped
     k_hi = scatter_slots(k_lo, pos.reshape(pos.shape[0], -1),
-                              flat_slots(keys).astype(jnp.float32))
+                         flat_slots(keys).astype(jnp.float32))
     return pool, (k_lo, v_lo, k_hi, v_lo)
 
   def recent_masks(self, positions, num_slots, block_size):

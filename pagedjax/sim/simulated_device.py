@@ -167,10 +167,10 @@ class SimulatedDevice:
 
   Transfers (swap-out/in, and the KV tiers' demotions and promotions, whose stores hold no
   block contents) take the host link's time for their blocks (CostModel.swap_time: the call's
-  overhead plus each device's share of the blocks over its own host link); copies a read and a write in HBM; a step the time of the
-  StepShape its padded rows and tokens make, and its tokens (and a beam call's candidates) are
-  sim_tokens' and sim_candidates'. Each iteration also charges the host code's time for its
-  rows (CostModel.host_time)."""
+  overhead plus each device's share of the blocks over its own host link); copies a read and a
+  write in HBM; a step the time of the StepShape its padded rows and tokens make, and its tokens
+  (and a beam call's candidates) are sim_tokens' and sim_candidates'. Each iteration also
+  charges the host code's time for its rows (CostModel.host_time)."""
   params = None
   step_fn = None
   record_logits = False  # a simulated step has no logits (SimulatedBackend.step refuses them)
