@@ -410,11 +410,9 @@ def by_projection(op_rows: list, model_cfg) -> dict:
 
 
 def matmul_shapes(model_cfg) -> dict:
-  """Weight floats of the linear layers (all layers) and of the head."""
-  c = model_cfg
-  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  per_layer = c.d_model * (q + 2 * kv) + q * c.d_model + 3 * c.d_model * c.ffn_dim
-  return {'linear': c.num_layers * per_layer, 'head': c.vocab_size * c.d_model}
+  """Weight floats of the linear layers (all layers: projection_floats' sum) and of the head."""
+  return {'linear': sum(projection_floats(model_cfg).values()),
+          'head': model_cfg.vocab_size * model_cfg.d_model}
 
 
 # ------------------------------------------------------------------------------------------------
