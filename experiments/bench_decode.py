@@ -70,6 +70,7 @@ from pagedjax.host.requests.sampling_params import SamplingParams
 _PROFILE_DIR = cli.profile_dir_flag()  # traces a few decode steps at the largest batch
 
 PROFILE_STEPS = 5
+ITERATION = 'decode_iteration'  # the trace annotation of each traced engine step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,19 +268,25 @@ def agreement(a, b) -> float:
   return same / total if total else 1.0
 
 
-def profile_decode(engine, prompts, profile_dir: str, steps: int = PROFILE_STEPS) -> str:
-  """Runs prompts to their first decode steps, then traces `steps` warm decode iterations."""
-  params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_on_eos=False)
+def start_decoding(engine, prompts, params) -> None:
+  """Submits the prompts and steps the engine until every one is running and prefilled: the
+  next step is a decode step of them all."""
   for prompt in prompts:
     engine.submit(prompt, params)
   while engine.has_work() and (len(engine.running) < len(prompts) or any(
-      s.num_cached < len(s.prompt_ids) for s in engine.running)):  # until every one decodes
+      s.num_cached < len(s.prompt_ids) for s in engine.running)):
     engine.step()
+
+
+def profile_decode(engine, prompts, profile_dir: str, steps: int = PROFILE_STEPS) -> str:
+  """Runs prompts to their first decode steps, then traces `steps` warm decode iterations."""
+  start_decoding(engine, prompts,
+                 SamplingParams(max_new_tokens=steps + 4, temperature=0.0, stop_on_eos=False))
   engine.step()
   os.makedirs(profile_dir, exist_ok=True)
   jax.profiler.start_trace(profile_dir)
   for _ in range(steps):
-    with jax.profiler.TraceAnnotation('decode_iteration'):
+    with jax.profiler.TraceAnnotation(ITERATION):
       engine.step()
   jax.profiler.stop_trace()
   engine.run()

@@ -108,7 +108,7 @@ MODEL_SCOPE = '/Llama/'
 # PjitFunction(jit(step)) for its compiled form (jaxlib 0.10).
 STEP_CALL = re.compile(r'^PjitFunction\((jit\()?step\)?\)$')
 EXECUTE = 'ThunkExecutor::Execute'
-ITERATION = 'decode_iteration'
+ITERATION = bench_decode.ITERATION  # the annotation of each traced engine step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,13 +341,8 @@ def _abstract(x):
 def steady_decode(engine, prompts, steps_after: int, warmup_steps: int) -> None:
   """Submits the prompts, steps until every one is prefilled, then warmup_steps decode
   iterations (the decode program compiles in the first)."""
-  params = SamplingParams(max_new_tokens=warmup_steps + steps_after + 2, temperature=0.0,
-                          stop_on_eos=False)
-  for prompt in prompts:
-    engine.submit(prompt, params)
-  while engine.has_work() and (len(engine.running) < len(prompts) or any(
-      s.num_cached < len(s.prompt_ids) for s in engine.running)):
-    engine.step()
+  bench_decode.start_decoding(engine, prompts, SamplingParams(
+      max_new_tokens=warmup_steps + steps_after + 2, temperature=0.0, stop_on_eos=False))
   for _ in range(warmup_steps):
     engine.step()
 
