@@ -293,13 +293,7 @@ def calibrate_cpu(config, engine, requests, workdir: str, progress=print) -> Sim
   progress("calibrating this machine for the replicas' model: peaks, host time, step grid")
   peaks = calibrate.measure_peaks(rounds=cal.peak_rounds, copy_mb=cal.copy_mb)
   host = calibrate.profile_host(make, requests)
-  longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-  widths = [w * executor.block_size for w in executor.table_width_buckets]
-  reach = min([w for w in widths if w >= longest] or [widths[-1]])
-  points = [p for p in calibrate.step_grid(
-      executor, typed.scheduler.max_num_batched_tokens or
-      typed.engine.max_batch_size * typed.engine.prefill_chunk, typed.engine.prefill_chunk,
-      tuple(cal.fills)) if max(ctx for _, ctx in p.rows) <= reach]
+  points = serve_lib.step_points(engine, longest_context(requests), cal.fills)
   samples = calibrate.profile_steps(executor, points, model_cfg.vocab_size, rounds=cal.rounds)
   base = calibrate.cpu_hardware(peaks).with_efficiency(
       iteration_overhead_s=host['iteration_overhead_s'], row_overhead_s=host['row_overhead_s'])

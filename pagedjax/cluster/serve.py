@@ -207,25 +207,31 @@ def warm_shapes(engine, context_tokens: int) -> int:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from pagedjax.device import traces  # pylint: disable=import-outside-toplevel  (jax)
   from pagedjax.sim import calibrate  # pylint: disable=import-outside-toplevel
-  executor, cfg = engine.executor, engine.config
-  allocator = engine.allocator
+  allocator, executor = engine.allocator, engine.executor
   held = allocator.num_blocks - 1 - len(allocator.free_blocks())
   if held or engine.has_work():
     raise ValueError(f'warm_shapes needs an engine that holds nothing (its calls write KV into '
                      f'every block of the pool): {held} blocks are held or cached, and it has '
                      f'{"" if engine.has_work() else "no "}requests in flight')
-  widths = [w * executor.block_size for w in executor.table_width_buckets]
-  reach = min([w for w in widths if w >= context_tokens] or [widths[-1]])
-  budget = (cfg.scheduler.max_num_batched_tokens or
-            cfg.engine.max_batch_size * cfg.engine.prefill_chunk)
-  # fill 1.0: every rows bucket is some point's own row count
-  points = [p for p in calibrate.step_grid(executor, budget, cfg.engine.prefill_chunk, (1.0,))
-            if max(ctx for _, ctx in p.rows) <= reach]
   rng = np.random.default_rng(0)
   before = traces.count()  # (engine.num_compilations counts its own device calls only)
+  # fill 1.0: every rows bucket is some point's own row count
   calibrate.compile_shapes(executor, [calibrate.grid_inputs(
-      p, executor, engine.model_cfg.vocab_size, rng) for p in points])
+      p, executor, engine.model_cfg.vocab_size, rng) for p in step_points(engine, context_tokens)])
   return traces.count() - before
+
+
+def step_points(engine, context_tokens: int, fills=(1.0,)) -> list:
+  """calibrate.step_grid's calls for the engine's executor and scheduler budget, each row's
+  context within the smallest table width that holds `context_tokens` (the widest, past it):
+  every step shape that requests of contexts up to `context_tokens` can reach."""
+  from pagedjax.sim import calibrate  # pylint: disable=import-outside-toplevel
+  executor, scheduler = engine.executor, engine.scheduler
+  widths = [w * executor.block_size for w in executor.table_width_buckets]
+  reach = min([w for w in widths if w >= context_tokens] or [widths[-1]])
+  return [p for p in calibrate.step_grid(executor, scheduler.max_num_batched_tokens,
+                                         scheduler.prefill_chunk, tuple(fills))
+          if max(ctx for _, ctx in p.rows) <= reach]
 
 
 class EngineReplica:
