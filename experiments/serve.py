@@ -285,10 +285,7 @@ def calibrate_cpu(config, engine, requests, workdir: str, progress=print) -> Sim
   model_cfg, executor = engine.model_cfg, engine.executor
   make = lambda step_fn=None: factory.make_engine(
       typed, model_cfg, executor.params, engine.tokenizer, step_fn=step_fn or executor.step_fn)
-  shape = dataclasses.replace(sizing.from_model_config(model_cfg),
-                              name=f'{typed.model.source} model')
-  # pagedjax keeps params in float32 whatever the compute dtype (model/llama.py)
-  weight_dtype, act_dtype = 'fp32', sizing.canonical_dtype(model_cfg.dtype)
+  shape, weight_dtype, act_dtype = own_model(config, engine)
   t0 = time.monotonic()
   progress("calibrating this machine for the replicas' model: peaks, host time, step grid")
   peaks = calibrate.measure_peaks(rounds=cal.peak_rounds, copy_mb=cal.copy_mb)
@@ -325,10 +322,16 @@ def sim_device(config, engine, requests, workdir: str) -> SimDevice:
     return calibrate_cpu(config, engine, requests, workdir)
   hw = hardware.get_hardware(name)
   if name.endswith('.json'):  # a calibration's profile: this machine, the model in float32
-    return SimDevice(hw, dataclasses.replace(sizing.from_model_config(engine.model_cfg),
-                                             name=f'{config.model.source} model'),
-                     'fp32', sizing.canonical_dtype(engine.model_cfg.dtype))
+    return SimDevice(hw, *own_model(config, engine))
   return SimDevice(hw, model_shape(config))
+
+
+def own_model(config, engine) -> tuple:
+  """(shape, weight dtype, activation dtype) of the replicas' model as this machine runs it:
+  pagedjax keeps params in float32 whatever the compute dtype (model/llama.py)."""
+  shape = dataclasses.replace(sizing.from_model_config(engine.model_cfg),
+                              name=f'{config.model.source} model')
+  return shape, 'fp32', sizing.canonical_dtype(engine.model_cfg.dtype)
 
 
 def quantile(values, q):
