@@ -375,7 +375,8 @@ def copy_bandwidth(megabytes: float, repeats: int = 3) -> float:
 
 # A projection by its JAX name (.../layer_3/mlp/up_proj/...) or, where XLA dropped the name (its
 # 1-row dots), by its weight operand (%params__params____layer_3____mlp____up_proj____kernel__).
-PROJECTION = re.compile(r'(?<![a-z])(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)(?![a-z])')
+PROJECTION = re.compile(
+    r'(?<![a-z])(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)(?![a-z])')
 
 
 def projection_floats(model_cfg) -> dict:
