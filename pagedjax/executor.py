@@ -371,6 +371,8 @@ class JaxBackend:
   executor = PlanExecutor
   step = CompiledStep
   preemption_cost = staticmethod(tiering.preemption_cost)  # measured on this device
+  tier_layout = staticmethod(tiering.pool_layout)  # the KV tiers' (tiering.build_tiers)
+  tier_costs = staticmethod(tiering.calibrated_cost)
 
 
 DEVICE = JaxBackend()

@@ -101,21 +101,10 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
     return None
   if cache is None:
     raise ValueError('KV tiers need prefix caching on (prefix_cache.enabled=True)')
-  # A backend that models its device (pagedjax/sim) gives a layout without contents and the
-  # cost figures of its model; on a real device the layout is the pool's arrays, measured.
-  modelled = getattr(executor.backend, 'tier_layout', None)
-  if modelled is not None:
-    if t.disk_blocks:
-      raise ValueError(f'tiers.disk_blocks={t.disk_blocks} is not allowed on a simulated device: '
-                       '0 (a simulated pool has host-RAM tiers only; its disk tier would need a '
-                       'content-free disk store)')
-    layout = modelled()
-  else:
-    shapes = executor.pool.block_array_shapes()
-    if not shapes:
-      raise ValueError('KV tiers need a pool that holds block arrays, or a backend that models '
-                       'them (tier_layout, as pagedjax/sim\'s)')
-    layout = BlockLayout(shapes)
+  # What built the device gives the block layout and the promotion figures: on a real device
+  # the pool's arrays and measured figures (pool_layout, calibrated_cost), on pagedjax/sim's a
+  # layout without contents and its cost model's figures.
+  layout = executor.backend.tier_layout(t, executor)
   block_size = config.pool.block_size
   disk = None
   if t.disk_blocks:
@@ -124,11 +113,20 @@ def build_tiers(config, model_cfg, executor) -> Optional[KVTiers]:
                      t.eviction)
   cost = None
   if t.promotion == 'auto':
-    cost = (executor.backend.tier_costs(t, executor) if modelled is not None else
-            calibrated_cost(t, executor, layout, disk))
+    cost = executor.backend.tier_costs(t, executor, layout, disk)
   tiers = KVTiers(layout, block_size, host_blocks=t.host_blocks, disk=disk, eviction=t.eviction,
                   write_through=t.write_through, promotion=t.promotion, cost=cost)
   return tiers.attach(cache)
+
+
+def pool_layout(t, executor) -> BlockLayout:
+  """The KV tiers' block layout on a real device (JaxBackend.tier_layout): the pool's arrays."""
+  del t
+  shapes = executor.pool.block_array_shapes()
+  if not shapes:
+    raise ValueError('KV tiers need a pool that holds block arrays, or a backend that models '
+                     'them (tier_layout, as pagedjax/sim\'s)')
+  return BlockLayout(shapes)
 
 
 def preemption_cost(t, executor) -> TierCosts:

@@ -256,15 +256,22 @@ class SimulatedBackend:
                                          t.prefill_s_per_token or prefill, host,
                                          (math.inf, math.inf))
 
-  def tier_layout(self) -> kv_tiers.ContentFreeLayout:
-    """The KV tiers' block layout (tiering.build_tiers): the pool's block size, no contents."""
+  def tier_layout(self, t, executor) -> kv_tiers.ContentFreeLayout:
+    """The KV tiers' block layout (tiering.build_tiers): the pool's block size, no contents;
+    host-RAM tiers only."""
+    del executor
+    if t.disk_blocks:
+      raise ValueError(f'tiers.disk_blocks={t.disk_blocks} is not allowed on a simulated device: '
+                       '0 (a simulated pool has host-RAM tiers only; its disk tier would need a '
+                       'content-free disk store)')
     return kv_tiers.ContentFreeLayout(self.pool.block_nbytes)
 
-  def tier_costs(self, t, executor) -> tier_cost.TierCosts:
+  def tier_costs(self, t, executor, layout, disk) -> tier_cost.TierCosts:
     """The KV tiers' promotion figures (tiers.promotion='auto'): preemption_cost's, the ones
     the device charges a promotion's scatter (CostModel.swap_time: host_latency_s is the
     call's overhead, host_bytes_per_s the host link's, per device; config.tiers' non-zero
     figures win, as the real engine's)."""
+    del layout, disk  # no disk tier here (tier_layout)
     return self.preemption_cost(t, executor)
 
   def step(self, model_cfg, attention_impl=None, return_logits=False) -> SimulatedStep:
