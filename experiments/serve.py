@@ -344,6 +344,11 @@ def mean(values):
   return float(np.mean(values)) if values else None
 
 
+def ratio(a, b):
+  """a / b; None when either is missing or b is 0."""
+  return a / b if a is not None and b else None
+
+
 def live_router(config, typed, tokenizer, row, requests) -> tuple:
   s = config.serve
   deployment = serve_lib.ServeDeployment(
@@ -451,13 +456,11 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_hit_rate_minus_live': (hit - live_hit if None not in (hit, live_hit) else None),
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
           'sim_ttft_p50_s': ttft, 'sim_ttft_p90_s': f['ttft_p90_s'],
-          'sim_over_live_ttft_p50': ttft / live_ttft if ttft is not None and live_ttft else None,
+          'sim_over_live_ttft_p50': ratio(ttft, live_ttft),
           'sim_plus_idle_ttft_p50_s': with_path,
-          'sim_plus_idle_over_live_ttft_p50': (with_path / live_ttft if with_path is not None and
-                                               live_ttft else None),
+          'sim_plus_idle_over_live_ttft_p50': ratio(with_path, live_ttft),
           'sim_plus_path_ttft_p50_s': with_live_path,
-          'sim_plus_path_over_live_ttft_p50': (with_live_path / live_ttft if with_live_path
-                                               is not None and live_ttft else None),
+          'sim_plus_path_over_live_ttft_p50': ratio(with_live_path, live_ttft),
           'sim_replica_requests': [r.routed for r in cluster.replicas],
           'sim_rejected': f['rejected_requests']}
 
