@@ -430,18 +430,17 @@ def profile_batch(config, model_cfg, params, tokenizer, batch: int, workdir: str
   trace_dir = os.path.join(workdir, 'trace', f'B{batch}')
   path = trace_steps(engine, prof.steps, trace_dir)
   compiled_in_trace = step.num_compilations - compiled_before
-  device_s = list(engine.metrics.steps['device_s'])[first:]
-  host_s = list(engine.metrics.steps['host_s'])[first:]
+  traced = {k: list(v)[first:] for k, v in engine.metrics.steps.items()}
   windows = step_windows(load_events(path))
   floor = timed_floor(model_cfg, params, batch, 'xla', prof.floor_calls)
   row = {'batch': batch, 'rows': step.last['rows'], 'traced_steps': len(windows),
          'op_events': sum(len(w['ops']) for w in windows),
          'compilations_in_trace': compiled_in_trace}
   step_ms = [(w['end'] - w['start']) / 1e3 for w in windows]
-  # The engine's own figure for the same iterations (bench_decode's decode step: device plus
-  # host seconds per iteration, host/metrics.py), with the profiler running.
-  row['engine_step_ms'] = 1e3 * statistics.median(
-      d + h for d, h in zip(device_s, host_s)) if device_s else None
+  # The engine's own figure for the same iterations (bench_decode's decode step: median device
+  # plus host seconds per iteration, host/metrics.py), with the profiler running.
+  decode_s = bench_decode.step_figures(traced)['decode_step_s']
+  row['engine_step_ms'] = 1e3 * decode_s if decode_s is not None else None
   op_rows = []
   if row['op_events']:
     row['decomposition'] = 'traced'
