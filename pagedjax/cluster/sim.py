@@ -53,7 +53,7 @@ import dataclasses
 import heapq
 import math
 import time
-from typing import Dict, List, Optional, Sequence as Seq
+from typing import Dict, List, NamedTuple, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -160,6 +160,20 @@ class SharedStore:
     return n
 
 
+class Routed(NamedTuple):
+  """A request a replica took, and what its prompt found at routing (Outcome's fields)."""
+  request: ClusterRequest
+  cached: int  # prompt tokens its device cache held
+  route_s: float
+  shared: int  # past those, the shared store's
+  host: int  # past those, its host tier's
+
+  @property
+  def queued(self) -> int:
+    """Prompt tokens to compute, as routing saw it (ReplicaState.queued_prefill_tokens)."""
+    return len(self.request.prompt_ids) - self.cached - self.shared - self.host
+
+
 class Replica:
   """One engine, its KV event log and the state a router sees."""
 
@@ -171,8 +185,7 @@ class Replica:
     self.log = kv_events.EventLog(engine.prefix_cache.events, rank=index)
     self.state = ReplicaState(index, capacity_blocks=engine.allocator.num_blocks - 1,
                               block_size=engine.block_size, cost=cost)
-    # engine request id -> (ClusterRequest, cached, route_s, shared, host)
-    self.requests: Dict[int, tuple] = {}
+    self.requests: Dict[int, Routed] = {}  # by engine request id
     self.routed = 0
 
   def has_work(self) -> bool:
@@ -228,10 +241,10 @@ class Replica:
         max_new_tokens=request.max_new_tokens, stop_on_eos=False, cache_salt=request.salt),
                                arrival_time=arrival)
     route.hand_keys(self.engine, local)  # the keys routing computed: not hashed again
-    self.requests[local] = (request, cached, route_s, shared, host)
+    routed = self.requests[local] = Routed(request, cached, route_s, shared, host)
     self.routed += 1
     self.state.num_waiting += 1
-    self.state.queued_prefill_tokens += len(request.prompt_ids) - cached - shared - host
+    self.state.queued_prefill_tokens += routed.queued
 
   def load_from_store(self, route: RouteRequest, first: int, n: int) -> int:
     """Blocks first..first+n-1 of the prompt, which the shared store holds, into this
@@ -282,8 +295,8 @@ class Replica:
     e, s = self.engine, self.state
     waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
     s.num_waiting, s.num_running = len(waiting), len(e.running)
-    queued = sum(len(seq.prompt_ids) - sum(self.requests[seq.request_id][i] for i in (1, 3, 4))
-                 for seq in waiting if seq.request_id in self.requests)
+    queued = sum(self.requests[seq.request_id].queued for seq in waiting
+                 if seq.request_id in self.requests)
     queued += sum(max(0, len(seq.prompt_ids) - seq.num_cached) for seq in e.running)
     s.queued_prefill_tokens = queued
     s.running_tokens = sum(seq.num_cached for seq in e.running)
