@@ -101,17 +101,15 @@ class BlockLayout:
   def zeros(self) -> Dict[str, np.ndarray]:
     return {name: np.zeros(shape, dtype) for name, shape, dtype in self.fields}
 
-  def host_store(self, capacity: int, eviction: str = 'lru') -> 'HostBlockStore':
-    """Tier 2 for blocks of this layout."""
-    return HostBlockStore(self, capacity, eviction)
-
 
 class ContentFreeLayout(BlockLayout):
   """A block without arrays: a simulated pool's (pagedjax/sim/simulated_device.py), whose blocks
   have a size but no contents. Tiers over it keep all their bookkeeping (which key sits in
   which slot, eviction order, promotions, KV events) and move no bytes; the device's transfer
   calls charge the moves' time. `nbytes` is the block's true size (every device's share,
-  scales included), for the byte counts."""
+  scales included), for the byte counts; a HostBlockStore over it allocates no arrays, so its
+  capacity (the simulated node's host RAM, which the config sizes) is not checked against this
+  machine's."""
 
   def __init__(self, nbytes: int):
     super().__init__({})
@@ -120,16 +118,14 @@ class ContentFreeLayout(BlockLayout):
   def pack(self, block: Dict[str, np.ndarray]) -> np.ndarray:
     return np.zeros(0, np.uint8)
 
-  def host_store(self, capacity: int, eviction: str = 'lru') -> 'ContentFreeHostStore':
-    return ContentFreeHostStore(self, capacity, eviction)
-
 
 class HostBlockStore:
   """Tier 2: `capacity` blocks in numpy, laid out like the pool (block axis 1). A capacity that
-  does not fit in host RAM is refused before anything is allocated (capacity.py)."""
+  does not fit in host RAM is refused before anything is allocated (capacity.py); a layout
+  without arrays (ContentFreeLayout) allocates nothing."""
 
   def __init__(self, layout: BlockLayout, capacity: int, eviction: str = 'lru'):
-    capacity_lib.check_blocks_fit('tiers.host_blocks', capacity, layout.nbytes,
+    capacity_lib.check_blocks_fit('tiers.host_blocks', capacity, sum(layout.sizes),
                                   capacity_lib.host_memory_available(), 'host RAM')
     self.index = TierIndex(capacity, eviction)
     self.arrays = {name: np.zeros((shape[0], capacity) + shape[1:], dtype)
@@ -141,17 +137,6 @@ class HostBlockStore:
   def write(self, slot: int, block: Dict[str, np.ndarray]) -> None:
     for name, a in self.arrays.items():
       a[:, slot] = block[name]
-
-
-class ContentFreeHostStore(HostBlockStore):
-  """Tier 2 of a simulated device (ContentFreeLayout): the index alone, no arrays. Its
-  capacity is the simulated node's host RAM, which the config sizes: it is not checked against
-  this machine's."""
-
-  def __init__(self, layout: ContentFreeLayout, capacity: int, eviction: str = 'lru'):
-    # pylint: disable=super-init-not-called
-    self.index = TierIndex(capacity, eviction)
-    self.arrays = {}  # reads give {} and writes store nothing: the layout has no fields
 
 
 @dataclasses.dataclass
@@ -189,7 +174,7 @@ class KVTiers:
     if promotion == 'auto' and cost is None:
       raise ValueError("promotion='auto' needs a cost model")
     self.layout, self.block_size = layout, block_size
-    self.host = layout.host_store(host_blocks, eviction) if host_blocks else None
+    self.host = HostBlockStore(layout, host_blocks, eviction) if host_blocks else None
     self.disk = disk
     self.write_through, self.promotion, self.cost = write_through, promotion, cost
     self.cache = None
