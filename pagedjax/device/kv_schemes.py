@@ -177,8 +177,7 @@ class KVScheme(abc.ABC):
 
 
 def flat_slots(blocks):
-  """[B, MB, H, bs, D] -> [B, MB * bs, H, D]: a row's slots in position order (also the
-  streamed path's window, model/streamed_attention.py)."""
+  """[B, MB, H, bs, D] -> [B, MB * bs, H, D]: a row's slots in position order."""
   b, mb, h, bs, d = blocks.shape
   return jnp.swapaxes(blocks, 2, 3).reshape(b, mb * bs, h, d)
 
@@ -554,25 +553,35 @@ class RecentWindow(KVScheme):
     """write(), and what attention reads, flat [B, MB * bs, H, D]: the inner format's view,
     with the newest `window` tokens before this step (from the rings, read before the write) and
     this step's tokens in bfloat16 in k_hi and v_hi."""
-    pos = batch.positions
+    pool, view, _, _ = self.write_window_view(pool, layer, k, v, batch, batch, 0)
+    return pool, view
+
+  def write_window_view(self, pool, layer, k, v, absolute, inner_batch, first_slot):
+    """write_view with the rings written and read at `absolute`'s positions and the inner format
+    over `inner_batch`, whose slot 0 is position first_slot (0, or [B] per row: the streamed
+    path's windows, model/streamed_attention.py; ring tokens before it are left out of the
+    view). Returns (pool, view, ring_pos [B, window]: each ring slot's position, the rings
+    [k, v] [B, window, H, D] as read before the write)."""
+    pos = absolute.positions
     start = jnp.where(pos[:, 0] >= 0, pos[:, 0], 0)[:, None]
     slot = jnp.arange(self.window)[None, :]
     ring_pos = start - 1 - (start - 1 - slot) % self.window  # newest position < start in slot
-    rings = [jnp.swapaxes(a[layer, batch.lanes], 1, 2) for a in (pool.recent_k, pool.recent_v)]
-    pool = self._write_rings(pool, layer, k, v, batch)
+    rings = [jnp.swapaxes(a[layer, absolute.lanes], 1, 2) for a in (pool.recent_k, pool.recent_v)]
+    pool = self._write_rings(pool, layer, k, v, absolute)
     if self.inner.per_query_view:
-      pool, (k_lo, v_lo, k_hi, v_hi) = self.inner.write_view(pool, layer, k, v, batch)
+      pool, (k_lo, v_lo, k_hi, v_hi) = self.inner.write_view(pool, layer, k, v, inner_batch)
     else:
-      pool = self.inner.write(pool, layer, k, v, batch)
-      k_lo, v_lo = (flat_slots(x) for x in self.inner.read_blocks(pool, layer, batch.block_tables))
+      pool = self.inner.write(pool, layer, k, v, inner_batch)
+      k_lo, v_lo = (flat_slots(x)
+                    for x in self.inner.read_blocks(pool, layer, inner_batch.block_tables))
       k_hi, v_hi = k_lo, v_lo
-    num_slots = k_lo.shape[1]
-    ring_at = jnp.where(ring_pos >= 0, ring_pos, num_slots)  # dropped
-    new_at = jnp.where(pos >= 0, pos, num_slots)
+    num_slots, first = k_lo.shape[1], jnp.reshape(jnp.asarray(first_slot), (-1, 1))
+    ring_at = jnp.where(ring_pos >= first, ring_pos - first, num_slots)  # else dropped
+    new_at = jnp.where(pos >= 0, pos - first, num_slots)
     unquantized = lambda x: x.astype(self.RING_DTYPE).astype(jnp.float32)
     k_hi = scatter_slots(scatter_slots(k_hi, ring_at, rings[0]), new_at, unquantized(k))
     v_hi = scatter_slots(scatter_slots(v_hi, ring_at, rings[1]), new_at, unquantized(v))
-    return pool, (k_lo, v_lo, k_hi, v_hi)
+    return pool, (k_lo, v_lo, k_hi, v_hi), ring_pos, rings
 
   def recent_masks(self, positions, num_slots, block_size):
     """A query reads its newest `window` tokens, keys and values, from the rings; and

@@ -68,7 +68,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pagedjax.kernels import contract
-from pagedjax.device.kv_schemes import flat_slots, scatter_slots
 from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
 from pagedjax.device.sampling import sample, top_candidates
@@ -260,30 +259,15 @@ def _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window, windo
   tokens before the window). Those tokens are in host blocks too, quantized; a query reads its
   newest `window` tokens from the rings, so the host chunks are folded in only up to
   position - window (`_fold`) and this state covers the rest."""
-  n, pos = scheme.window, absolute.positions
-  first = jnp.where(pos[:, 0] >= 0, pos[:, 0], 0)[:, None]
-  ring_pos = first - 1 - (first - 1 - jnp.arange(n)[None, :]) % n  # newest position < first
-  rings = [jnp.swapaxes(a[layer, absolute.lanes], 1, 2) for a in (pool.recent_k, pool.recent_v)]
-  pool = scheme._write_rings(pool, layer, k, v, absolute)  # the rings as the step writes them
-  inner = scheme.inner
-  if inner.per_query_view:
-    pool, (k_lo, v_lo, k_hi, v_hi) = inner.write_view(pool, layer, k, v, in_window)
-  else:
-    pool = inner.write(pool, layer, k, v, in_window)
-    k_lo, v_lo = (flat_slots(x) for x in inner.read_blocks(pool, layer, in_window.block_tables))
-    k_hi, v_hi = k_lo, v_lo
-  num_slots, start = k_lo.shape[1], window_start[:, None]
-  ring_at = jnp.where(ring_pos >= start, ring_pos - start, num_slots)  # older ones: dropped
-  new_at = jnp.where(pos >= 0, pos - start, num_slots)
-  unquantized = lambda x: x.astype(scheme.RING_DTYPE).astype(jnp.float32)
-  k_hi = scatter_slots(scatter_slots(k_hi, ring_at, rings[0]), new_at, unquantized(k))
-  v_hi = scatter_slots(scatter_slots(v_hi, ring_at, rings[1]), new_at, unquantized(v))
+  n, pos, start = scheme.window, absolute.positions, window_start[:, None]
+  pool, view, ring_pos, rings = scheme.write_window_view(pool, layer, k, v, absolute, in_window,
+                                                         window_start)
   before = jnp.where((ring_pos >= 0) & (ring_pos < start), ring_pos, -1)  # [B, n]
   # The ring as one block of n slots per row, seen by the queries it is among the newest n of.
   as_block = lambda ring: jnp.swapaxes(ring, 1, 2)[:, None]  # [B, 1, H, n, D]
   older = _partial_states(q, pos, as_block(rings[0]), as_block(rings[1]), before[:, None],
                           after=pos - n)
-  return pool, (k_lo, v_lo, k_hi, v_hi), older
+  return pool, view, older
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
