@@ -27,6 +27,14 @@ instead of one per matmul, each result bit-identical to its own call. It is opt-
 profile predicts (experiments/profile_decode.py: the pool's dispatch is a few microseconds of
 each call, the kernel's time is its reading of W).
 
+`pack(w)` repacks a Dense kernel [K, N] once into strips of STRIP columns ([ceil(N / STRIP), K,
+STRIP]: each strip's columns row after row, the last strip zero-padded), a `Packed` that
+`linear` / `kernel` take in w's place at any row count: every register tile then reads W as one
+sequential run per vector of columns instead of pieces N floats apart, which the hardware
+prefetchers follow (experiments/bench_linear.py; docs/decode_speed.md). Same sums as the
+in-place kernel from 3 rows (k = 0, 1, ... with fused multiply-adds), so bit for bit its
+results there. The copy is as large as W: the caller packs once per params object and keeps it.
+
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
 XLA's dots otherwise), 'cpu_fused' ('cpu' with q/k/v and gate/up each as one linear_many call:
 llama.py), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
@@ -49,6 +57,51 @@ KERNEL_IMPLS = ('cpu', 'cpu_fused')  # the impls that run the kernel
 # kernel is not faster; at one row XLA's own matrix-vector loop measured faster than the
 # kernel's (docs/decode_speed.md), so a lone decode row keeps it too.
 MIN_ROWS, MAX_ROWS = 2, 64
+STRIP = 8  # columns per strip of the packed layout (kStrip in csrc/linear_cpu_body.inc)
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+  """A Dense kernel [K, N] as `pack` lays it out: `strips` [ceil(N / STRIP), K, STRIP] float32
+  and N (static: jit sees only the strips). A pytree, so it passes through jit and params
+  trees."""
+
+  def __init__(self, strips, n: int):
+    self.strips, self.n = strips, int(n)
+
+  @property
+  def shape(self):
+    """The kernel's [K, N]."""
+    return (self.strips.shape[1], self.n)
+
+  @property
+  def dtype(self):
+    return self.strips.dtype
+
+  def unpack(self):
+    """The kernel [K, N] again (a copy)."""
+    k = self.strips.shape[1]
+    return jnp.transpose(self.strips, (1, 0, 2)).reshape(k, -1)[:, :self.n]
+
+  def tree_flatten(self):
+    return (self.strips,), self.n
+
+  @classmethod
+  def tree_unflatten(cls, n, children):
+    return cls(children[0], n)
+
+
+def pack(w, *, transposed=False) -> Packed:
+  """A Dense kernel w [K, N] float32 (a jax or numpy array; transposed: w [N, K], e.g. a tied
+  embedding used as the head, packed as w.T) in the packed layout (see the module docstring):
+  one copy of w, made once, for `linear` / `kernel` to read instead."""
+  if w.ndim != 2 or w.dtype != jnp.float32:
+    raise ValueError(f'pack: w must be a 2-D float32 kernel, got shape {w.shape} {w.dtype}')
+  w = jnp.asarray(w).T if transposed else w
+  k, n = w.shape
+  strips = -(-n // STRIP)
+  padded = jnp.pad(jnp.asarray(w), ((0, 0), (0, strips * STRIP - n)))
+  return Packed(jnp.transpose(padded.reshape(k, strips, STRIP), (1, 0, 2)), n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +150,10 @@ def fuses(impl: str) -> bool:
 
 
 def runs_kernel(x, w) -> bool:
-  """Whether linear_impl='cpu' runs the kernel for these operands (else XLA's dot)."""
+  """Whether linear_impl='cpu' runs the kernel for these operands (else XLA's dot); a Packed w
+  always runs it (XLA has no dot for the layout), x float32."""
+  if isinstance(w, Packed):
+    return x.dtype == jnp.float32
   rows = int(np.prod(x.shape[:-1]))
   return (x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2
           and MIN_ROWS <= rows <= MAX_ROWS)
@@ -105,7 +161,11 @@ def runs_kernel(x, w) -> bool:
 
 def linear(x, w, *, transposed=False, impl='cpu'):
   """x [..., K] @ w [K, N] (transposed: @ w.T for w [N, K]) -> [..., N] in x's dtype.
-  impl 'cpu' runs the kernel where runs_kernel says so, XLA's dot elsewhere."""
+  impl 'cpu' runs the kernel where runs_kernel says so, XLA's dot elsewhere. A Packed w
+  (pack) runs the kernel at any row count whatever impl, or XLA's dot of it unpacked for non-float32
+  x."""
+  if isinstance(w, Packed):
+    return kernel(x, w) if runs_kernel(x, w) else jnp.dot(x, w.unpack().astype(x.dtype))
   impl = resolve(impl)
   if impl == 'xla' or not runs_kernel(x, w):
     return jnp.dot(x, w.T if transposed else w)
@@ -114,10 +174,20 @@ def linear(x, w, *, transposed=False, impl='cpu'):
 
 def kernel(x, w, *, transposed=False):
   """The native kernel itself, for any row count: x [..., K] float32 @ w [K, N] float32 (transposed:
-  @ w.T for w [N, K]) -> [..., N] float32. `linear` is what the model calls."""
+  @ w.T for w [N, K]; or w a Packed [K, N]) -> [..., N] float32. `linear` is what the model
+  calls."""
   if not available():
     raise RuntimeError(f'the native linear kernel is unavailable: {unavailable_reason()}')
   k = x.shape[-1]
+  if isinstance(w, Packed):
+    if transposed or w.shape[0] != k:
+      raise ValueError(f'linear: x {x.shape} and packed w {w.shape} (transposed={transposed}) '
+                       'do not contract: a Packed kernel is [K, N], transposed=False')
+    rows = int(np.prod(x.shape[:-1]))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.n), jnp.float32),
+                            vmap_method='sequential')
+    y = call(x.reshape(rows, k), w.strips, transposed=np.int64(0))
+    return y.reshape(*x.shape[:-1], w.n)
   n = w.shape[0] if transposed else w.shape[1]
   if (w.shape[1] if transposed else w.shape[0]) != k:
     raise ValueError(f'linear: x {x.shape} and w {w.shape} (transposed={transposed}) do not '

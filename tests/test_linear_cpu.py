@@ -138,3 +138,38 @@ def test_engine_with_the_kernel_gives_xlas_greedy_tokens():
   logits = {impl: Llama(untied, linear_impl=impl).apply(params, tokens, jnp.arange(5)[None])[0]
             for impl in ('cpu', 'xla')}
   np.testing.assert_allclose(np.asarray(logits['cpu']), np.asarray(logits['xla']), atol=2e-5)
+
+
+@needs_kernel
+def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
+  """pack(w) (strips of STRIP columns, the last one zero-padded: N 67, 203, 5, 24) read by the
+  kernel at 1-64 rows (every tile height: 8-row tiles, the last 1-7 rows, 1-4 rows as r x 3) and
+  odd K: within float32 rounding of the float64 oracle, and from 3 rows bit for bit the in-place
+  kernel's result (the same sums); a Packed runs the kernel through `linear` at any row count,
+  unpacks to w, and the transposed head packs as its transpose."""
+  rng = np.random.default_rng(5)
+  packed, in_place = jax.jit(linear_cpu.kernel), jax.jit(linear_cpu.kernel)
+  for rows, k, n in ((1, 37, 67), (2, 64, 203), (3, 300, 24), (4, 37, 67), (5, 64, 5),
+                     (8, 300, 203), (9, 37, 24), (13, 64, 67), (32, 37, 203), (64, 64, 24)):
+    x = rng.standard_normal((rows, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    p = linear_cpu.pack(w)
+    assert p.strips.shape == (-(-n // linear_cpu.STRIP), k, linear_cpu.STRIP) and p.shape == (k, n)
+    got = np.asarray(packed(x, p))
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert got.shape == (rows, n)
+    assert np.all(np.abs(got - _oracle(x, w, False)) <= 1e-6 * bound + 1e-30), (rows, k, n)
+    if rows >= 3:
+      assert np.array_equal(got, np.asarray(in_place(x, w))), (rows, k, n)
+  assert np.array_equal(np.asarray(p.unpack()), w)
+  lowered = lambda f, *a: jax.jit(f).lower(*a).as_text()
+  for rows in (1, linear_cpu.MAX_ROWS + 1):
+    assert linear_cpu.TARGET in lowered(linear_cpu.linear, jnp.ones((rows, 64)), p)
+  e = rng.standard_normal((203, 37), np.float32)  # a tied embedding [V, D] as the head
+  x = rng.standard_normal((8, 37), np.float32)
+  np.testing.assert_array_equal(np.asarray(packed(x, linear_cpu.pack(e, transposed=True))),
+                                np.asarray(in_place(x, np.ascontiguousarray(e.T))))
+  with pytest.raises(ValueError, match='packed w'):
+    linear_cpu.kernel(jnp.ones((2, 36)), p)
+  with pytest.raises(ValueError, match='2-D float32'):
+    linear_cpu.pack(jnp.ones((4, 8), jnp.bfloat16))

@@ -1,7 +1,8 @@
 // Linear layers for XLA:CPU as a typed-FFI custom call (kernels/linear_cpu.py builds, registers
 // and calls it): y[M, N] = x[M, K] @ W, float32, W read in place either as [K, N] (a Dense
 // kernel, [in, out]) or as [N, K] (attribute transposed = 1: a tied embedding as the output
-// head, x @ E^T, with no transposed copy).
+// head, x @ E^T, with no transposed copy), or from a packed copy of a [K, N] kernel (w 3-D:
+// [ceil(N / kStrip), K, kStrip], made once by linear_cpu.py pack; N is y's).
 //
 // LinearMultiCpu is the same for several Dense kernels of one x (q/k/v, gate/up): every output's
 // tasks handed out together, one dispatch of the pool per call.
@@ -73,14 +74,23 @@ ColumnsFn columns_for(bool transposed) {
   return transposed ? generic::columns_nk : generic::columns_kn;
 }
 
+ColumnsFn packed_for() {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  if (linear_uses_avx2()) return avx2::columns_packed;
+#endif
+  return generic::columns_packed;
+}
+
+constexpr int64_t kStrip = generic::kStrip;  // the packed layout's strip width (both copies)
+
 constexpr int64_t kMinBlockColumns = 32;
 // W [K, N] with at most kStreamMaxRows rows of x: tasks of kStreamK rows of W each (a fixed
 // count, so the order of the sums does not depend on the threads), streamed whole.
 constexpr int64_t kStreamMaxRows = 2;
 constexpr int64_t kStreamK = 32;
 
-// Columns per task: a multiple of 64 (the widest tile) when there are enough columns, about
-// four tasks per thread, at least kMinBlockColumns.
+// Columns per task: a multiple of 64 (the widest tile) when there are enough columns, else of
+// 16, about four tasks per thread, at least kMinBlockColumns.
 int64_t block_columns(int64_t n, int64_t threads) {
   const int64_t tasks = 4 * std::max<int64_t>(1, threads);
   int64_t cols = (n + tasks - 1) / tasks;
@@ -160,11 +170,44 @@ ffi::Error shape_error(int64_t M, int64_t K, ffi::AnyBuffer::Dimensions wd, int6
       std::to_string(yd[1]) + "]");
 }
 
+// W packed ([ceil(N / kStrip), K, kStrip], linear_cpu.py pack): y's columns in blocks over the
+// pool, as for W [K, N] in place.
+ffi::Error LinearPacked(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
+                        ffi::AnyBuffer::Dimensions wd, int64_t transposed, const float* wp,
+                        ffi::AnyBuffer::Dimensions yd, float* out) {
+  const int64_t N = yd[1];
+  if (transposed || wd[0] != (N + kStrip - 1) / kStrip || wd[1] != K || wd[2] != kStrip ||
+      yd[0] != M) {
+    return ffi::Error::InvalidArgument(
+        "linear_cpu: packed w [" + std::to_string(wd[0]) + ", " + std::to_string(wd[1]) + ", " +
+        std::to_string(wd[2]) + "] (transposed=" + std::to_string(transposed) +
+        ") does not give y [" + std::to_string(yd[0]) + ", " + std::to_string(N) + "] from x [" +
+        std::to_string(M) + ", " + std::to_string(K) + "]: it must be [ceil(N / " +
+        std::to_string(kStrip) + "), K, " + std::to_string(kStrip) + "], transposed=0");
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out, 0, sizeof(float) * size_t(M) * size_t(N));
+    return ffi::Error::Success();
+  }
+  const ColumnsFn columns = packed_for();
+  const int64_t cols = block_columns(N, pool.num_threads());  // a multiple of kStrip
+  parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
+    columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                   ffi::ResultBuffer<ffi::F32> y, int64_t transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() == 2 && wd.size() == 3 && yd.size() == 2) {
+    return LinearPacked(pool, x.typed_data(), xd[0], xd[1], wd, transposed, w.typed_data(), yd,
+                        y->typed_data());
+  }
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("linear_cpu: x, w and y must be 2-D");
+    return ffi::Error::InvalidArgument(
+        "linear_cpu: x and y must be 2-D, w 2-D (or 3-D: packed)");
   }
   const int64_t M = xd[0], K = xd[1];
   const int64_t N = transposed ? wd[0] : wd[1];

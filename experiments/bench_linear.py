@@ -1,0 +1,202 @@
+"""The native CPU linear-layer kernel against XLA's dots on a decode step's matmul shapes.
+
+  python -m experiments.bench_linear --config=configs/bench_linear.py --workdir=runs/bench_linear
+  python -m experiments.bench_linear --config=configs/bench_linear.py --config.bench.baseline=REV --workdir=runs/bench_linear
+  python -m experiments.bench_linear --config=configs/bench_linear.py:tiny --workdir=/tmp/bench_linear
+
+For every (rows, shape) of `config.bench` (configs/bench_linear.py) the variants
+  kernel    linear_cpu.kernel (kernels/linear_cpu.py), this tree's build, W read in place
+  packed    the same kernel reading W from linear_cpu.pack's copy (packed once, before the
+            rounds; [K, N] shapes only)
+  baseline  the same kernel built from bench.baseline's sources (a git revision), if given
+  xla       XLA's dot (jnp.dot; the transposed head as x @ w.T, as linear_impl='xla' runs it)
+run on x [rows, K] through enough distinct copies of W to hold bench.min_bytes (W from DRAM,
+as in a decode step), outputs summed, after a check that each matches a float64 oracle. Rounds
+call every variant once in a rotating order, so load from other processes hits all alike;
+per variant the median time, W's bytes read per second and GFLOP/s, and the median over rounds
+of its time over the kernel's (`over_kernel`: above 1 = slower than the kernel). `step` adds the
+shapes' medians weighted by how many of each a decode step runs (per_step): the step's matmul
+time per variant. Nothing here asserts a time.
+
+Writes DIR/summary.json (figures, the config, versions, git state, load), DIR/results.csv (one
+row per rows, shape and variant) and DIR/table.md.
+"""
+import ctypes
+import functools
+import os
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import cli
+from pagedjax.config import ConfigError
+from pagedjax.kernels import cpu, linear_cpu
+from pagedjax.studies import run_info
+
+BASELINE_TARGET = 'pagedjax_linear_cpu_baseline'
+COLUMNS = ('rows', 'shape', 'K', 'N', 'transposed', 'copies', 'variant', 'ms', 'w_gbs', 'gflops',
+           'over_kernel')
+
+
+def check(config):
+  """config.bench's fields (ConfigError naming the field, the value and what is allowed)."""
+  cli.check_fields(config, 'bench', rows=cli.list_of(cli.POSITIVE_INT),
+                   min_bytes=cli.POSITIVE_INT, rounds=cli.POSITIVE_INT,
+                   baseline=(lambda v: isinstance(v, str), 'a git revision, or "" for none'))
+  shapes = config.bench.shapes
+  good = lambda s: (len(s) == 5 and isinstance(s[0], str) and isinstance(s[3], bool) and all(
+      isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (s[1], s[2], s[4])))
+  if not shapes or not all(isinstance(s, (tuple, list)) and good(s) for s in shapes):
+    raise ConfigError(f'config.bench.shapes={shapes!r} is not allowed: a non-empty tuple of '
+                      '(name, K, N, transposed, per_step) with K, N, per_step integers >= 1')
+  if not linear_cpu.available():
+    raise ConfigError(f'the native linear kernel is unavailable: {linear_cpu.unavailable_reason()}')
+
+
+def build_baseline(revision: str, workdir: str):
+  """The kernel's sources at a git revision, compiled like this tree's (cpu.CXXFLAGS) into
+  workdir and registered as BASELINE_TARGET; returns the library's path."""
+  root = subprocess.run(['git', 'rev-parse', '--show-toplevel'], capture_output=True, text=True,
+                        check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  commit = subprocess.run(['git', 'rev-parse', '--short', revision], capture_output=True,
+                          text=True, cwd=root)
+  if commit.returncode:
+    raise ConfigError(f'config.bench.baseline={revision!r} is not allowed: not a git revision '
+                      f'of {root}')
+  src = tempfile.mkdtemp(prefix='linear_baseline_', dir=workdir)
+  for name in linear_cpu.SOURCES:
+    text = subprocess.run(['git', 'show', f'{revision}:kernels/csrc/{name}'], capture_output=True,
+                          check=True, cwd=root).stdout
+    with open(os.path.join(src, name), 'wb') as f:
+      f.write(text)
+  path = os.path.join(workdir, f'linear_cpu_{commit.stdout.strip()}.so')
+  subprocess.run([os.environ.get('CXX', 'g++'), *cpu.CXXFLAGS, '-isystem', jax.ffi.include_dir(),
+                  os.path.join(src, linear_cpu.SOURCES[0]), '-o', path], check=True)
+  lib = ctypes.cdll.LoadLibrary(path)
+  jax.ffi.register_ffi_target(BASELINE_TARGET, jax.ffi.pycapsule(lib.LinearCpu), platform='cpu')
+  return path
+
+
+def baseline_kernel(x, w, *, transposed):
+  n = w.shape[0] if transposed else w.shape[1]
+  call = jax.ffi.ffi_call(BASELINE_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                          vmap_method='sequential')
+  return call(x, w, transposed=np.int64(bool(transposed)))
+
+
+def packed_kernel(x, w, *, transposed):
+  del transposed  # packed: [K, N] shapes only
+  return linear_cpu.kernel(x, w)
+
+
+def xla_dot(x, w, *, transposed):
+  return jnp.dot(x, w.T if transposed else w)
+
+
+def chained(matmul, transposed):
+  """x through every copy of W (each its own argument: a slice of one stacked array would be
+  copied before the call), outputs summed."""
+  def fn(x, *ws):
+    return sum(matmul(x, w, transposed=transposed) for w in ws)
+  return jax.jit(fn)
+
+
+def time_rounds(fns, rounds):
+  """fns: name -> zero-arg callable. Seconds per name and round ({name: [t, ...]}), each round
+  calling every variant once in an order rotated round by round, after one warm-up call each
+  (bench_attention.time_interleaved keeps the medians only; the ratios here are per round)."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  names = list(fns)
+  times = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(fns[name]())
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
+def measure(bench, rows, shape, variants):
+  """One (rows, shape): check every variant against float64, then the interleaved rounds ->
+  figures."""
+  name, k, n, transposed, _ = shape
+  copies = max(1, -(-int(bench.min_bytes) // (4 * k * n)))
+  rng = np.random.default_rng(bench.seed)
+  x = rng.standard_normal((rows, k), np.float32)
+  ws = rng.standard_normal((copies, n, k) if transposed else (copies, k, n), np.float32)
+  want = sum(x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64) for w in ws)
+  bound = np.abs(x).astype(np.float64) @ np.abs(ws[0].T if transposed else ws[0]) * copies
+  x, ws = jnp.asarray(x), [jnp.asarray(w) for w in ws]
+  fns = {}
+  for variant, matmul in variants.items():
+    if variant == 'packed' and transposed:
+      continue
+    fn = chained(matmul, transposed)
+    operands = [linear_cpu.pack(w) for w in ws] if variant == 'packed' else ws
+    err = np.abs(np.asarray(fn(x, *operands), np.float64) - want)
+    if not np.all(err <= 1e-5 * bound + 1e-30):  # a benchmark of a wrong kernel is worthless
+      raise RuntimeError(f'{variant} differs from the float64 oracle by {err.max()} at {rows} x '
+                         f'{name}')
+    fns[variant] = functools.partial(fn, x, *operands)
+  rounds = time_rounds(fns, bench.rounds)
+  w_bytes, flops = 4 * copies * k * n, 2 * rows * copies * k * n
+  kernel = np.asarray(rounds['kernel'])
+  out = []
+  for variant, times in rounds.items():
+    t = float(np.median(times))
+    out.append(dict(rows=rows, shape=name, K=k, N=n, transposed=transposed, copies=copies,
+                    variant=variant, ms=t * 1e3 / copies, w_gbs=w_bytes / t / 1e9,
+                    gflops=flops / t / 1e9,
+                    over_kernel=float(np.median(np.asarray(times) / kernel))))
+  return out
+
+
+def study(config, workdir):
+  bench = config.bench
+  variants = {'kernel': linear_cpu.kernel, 'packed': packed_kernel}
+  baseline_library = None
+  if bench.baseline:
+    baseline_library = build_baseline(bench.baseline, workdir)
+    variants['baseline'] = baseline_kernel
+  variants['xla'] = xla_dot
+  rows_out, step = [], {}
+  for rows in bench.rows:
+    for shape in bench.shapes:
+      results = measure(bench, int(rows), tuple(shape), variants)
+      rows_out += results
+      cli.say(f'rows {rows} {shape[0]} ({shape[1]} x {shape[2]}'
+              f'{", [N, K]" if shape[3] else ""}): ' + '  '.join(
+                  f'{r["variant"]} {r["ms"]:.3f} ms {r["w_gbs"]:.1f} GB/s '
+                  f'{r["gflops"]:.0f} GFLOP/s (x{r["over_kernel"]:.2f})' for r in results))
+      by_variant = {r['variant']: r for r in results}
+      for variant in variants:  # packed: the kernel's time where W cannot be packed (the head)
+        r = by_variant.get(variant, by_variant['kernel'])
+        step.setdefault(rows, {}).setdefault(variant, 0.0)
+        step[rows][variant] += r['ms'] * shape[4]
+  table = ['| rows | variant | ' + ' | '.join(s[0] for s in bench.shapes)
+           + ' | step ms (per_step-weighted) | step over kernel |',
+           '|---' * (len(bench.shapes) + 4) + '|']
+  for rows in bench.rows:
+    for variant in variants:
+      got = {r['shape']: r for r in rows_out if r['rows'] == rows and r['variant'] == variant}
+      cells = [f'{got[s[0]]["w_gbs"]:.1f} GB/s, x{got[s[0]]["over_kernel"]:.2f}'
+               if s[0] in got else '-' for s in bench.shapes]
+      table.append(f'| {rows} | {variant} | ' + ' | '.join(cells) +
+                   f' | {step[rows][variant]:.2f} | {step[rows][variant] / step[rows]["kernel"]:.2f} |')
+  cli.write_table(workdir, '\n'.join(table) + '\n\nGB/s = W bytes read per second; xR = time '
+                  'over the kernel\'s, median of per-round ratios' + cli.variant_note(config))
+  summary = dict(results=rows_out, step_ms={str(r): v for r, v in step.items()},
+                 avx2=linear_cpu.uses_avx2(), baseline_library=baseline_library,
+                 load_average_1m=os.getloadavg()[0], **run_info.summary_fields(config))
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  run_info.write_csv(os.path.join(workdir, 'results.csv'), rows_out, COLUMNS)
+  return summary
+
+
+if __name__ == '__main__':
+  cli.run_study('configs/bench_linear.py', 'Linear-kernel benchmark config.', study, check=check)
