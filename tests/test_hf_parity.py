@@ -125,10 +125,13 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
   hf_config = load_gguf_checkpoint(path)['config']
   hf_config = transformers.LlamaConfig(
       **{k: v for k, v in hf_config.items() if k not in ('model_type', 'architectures')})
-  hf_model = transformers.LlamaForCausalLM(hf_config).float().eval()
+  from transformers import initialization  # pylint: disable=import-outside-toplevel
+  with initialization.no_init_weights():  # (every weight is loaded below: ~2 s)
+    hf_model = transformers.LlamaForCausalLM(hf_config).float().eval()
   tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf_model)['tensors']
   hf_model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()},
                            strict=False)
+  hf_model.tie_weights()  # the GGUF has no output head: SmolLM2's is its embedding
   tokens = np.array([tok.encode('The capital of France is Paris. It is a city of')])
   with torch.no_grad():
     want = hf_model(torch.as_tensor(tokens)).logits.numpy()
