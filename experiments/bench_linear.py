@@ -7,7 +7,7 @@
 For every (rows, shape) of `config.bench` (configs/bench_linear.py) the variants
   kernel    linear_cpu.kernel (kernels/linear_cpu.py), this tree's build, W read in place
   packed    the same kernel reading W from linear_cpu.pack's copy (packed once, before the
-            rounds; [K, N] shapes only)
+            rounds; the transposed head packed as its transpose)
   baseline  the same kernel built from bench.baseline's sources (a git revision), if given
   xla       XLA's dot (jnp.dot; the transposed head as x @ w.T, as linear_impl='xla' runs it)
 run on x [rows, K] through enough distinct copies of W to hold bench.min_bytes (W from DRAM,
@@ -89,7 +89,7 @@ def baseline_kernel(x, w, *, transposed):
 
 
 def packed_kernel(x, w, *, transposed):
-  del transposed  # packed: [K, N] shapes only
+  del transposed  # pack took care of it
   return linear_cpu.kernel(x, w)
 
 
@@ -134,10 +134,9 @@ def measure(bench, rows, shape, variants):
   x, ws = jnp.asarray(x), [jnp.asarray(w) for w in ws]
   fns = {}
   for variant, matmul in variants.items():
-    if variant == 'packed' and transposed:
-      continue
     fn = chained(matmul, transposed)
-    operands = [linear_cpu.pack(w) for w in ws] if variant == 'packed' else ws
+    operands = ([linear_cpu.pack(w, transposed=transposed) for w in ws] if variant == 'packed'
+                else ws)
     err = np.abs(np.asarray(fn(x, *operands), np.float64) - want)
     if not np.all(err <= 1e-5 * bound + 1e-30):  # a benchmark of a wrong kernel is worthless
       raise RuntimeError(f'{variant} differs from the float64 oracle by {err.max()} at {rows} x '
@@ -173,11 +172,9 @@ def study(config, workdir):
               f'{", [N, K]" if shape[3] else ""}): ' + '  '.join(
                   f'{r["variant"]} {r["ms"]:.3f} ms {r["w_gbs"]:.1f} GB/s '
                   f'{r["gflops"]:.0f} GFLOP/s (x{r["over_kernel"]:.2f})' for r in results))
-      by_variant = {r['variant']: r for r in results}
-      for variant in variants:  # packed: the kernel's time where W cannot be packed (the head)
-        r = by_variant.get(variant, by_variant['kernel'])
-        step.setdefault(rows, {}).setdefault(variant, 0.0)
-        step[rows][variant] += r['ms'] * shape[4]
+      for r in results:
+        step.setdefault(rows, {}).setdefault(r['variant'], 0.0)
+        step[rows][r['variant']] += r['ms'] * shape[4]
   table = ['| rows | variant | ' + ' | '.join(s[0] for s in bench.shapes)
            + ' | step ms (per_step-weighted) | step over kernel |',
            '|---' * (len(bench.shapes) + 4) + '|']

@@ -37,7 +37,10 @@ results there. The copy is as large as W: the caller packs once per params objec
 
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
 XLA's dots otherwise), 'cpu_fused' ('cpu' with q/k/v and gate/up each as one linear_many call:
-llama.py), 'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
+llama.py), 'cpu_packed' ('cpu', and decode calls, which run the layers unrolled, read every
+Dense kernel from a packed copy made once per params object: model/step.py packs the per-layer
+params, llama.per_layer_params(pack=True); the copies add the kernels' size in memory),
+'auto' ('cpu' on a CPU backend where the kernel builds, else 'xla').
 """
 import functools
 
@@ -50,8 +53,8 @@ from . import cpu
 TARGET = 'pagedjax_linear_cpu'
 MULTI_TARGET = 'pagedjax_linear_multi_cpu'  # several Dense kernels of one x: linear_many
 SOURCES = ('linear_cpu.cc', 'linear_cpu_body.inc', 'cpu_parallel.inc')
-LINEAR_IMPLS = ('auto', 'xla', 'cpu', 'cpu_fused')
-KERNEL_IMPLS = ('cpu', 'cpu_fused')  # the impls that run the kernel
+LINEAR_IMPLS = ('auto', 'xla', 'cpu', 'cpu_fused', 'cpu_packed')
+KERNEL_IMPLS = ('cpu', 'cpu_fused', 'cpu_packed')  # the impls that run the kernel
 # The rows (x's leading axes together) for which the model's linear layers run the kernel. Above
 # MAX_ROWS (prefill chunks: rows x chunk tokens) XLA's packed GEMMs are compute-bound and the
 # kernel is not faster; at one row XLA's own matrix-vector loop measured faster than the
@@ -62,29 +65,41 @@ STRIP = 8  # columns per strip of the packed layout (kStrip in csrc/linear_cpu_b
 
 @jax.tree_util.register_pytree_node_class
 class Packed:
-  """A Dense kernel [K, N] as `pack` lays it out: `strips` [ceil(N / STRIP), K, STRIP] float32
-  and N (static: jit sees only the strips). A pytree, so it passes through jit and params
-  trees."""
+  """A Dense kernel [K, N] as `pack` lays it out: strips [ceil(N / STRIP), K, STRIP] float32,
+  held as `data`, an array of shape [K, ceil(N / STRIP) * STRIP] whose memory is those strips
+  (so that where N is a multiple of STRIP, a flax nn.Dense takes it in its kernel's place: flax
+  checks the shape of a param's leaves; llama.dense lets it through), and N (static: jit sees
+  only `data`). A pytree, so it passes through jit and params trees."""
 
-  def __init__(self, strips, n: int):
-    self.strips, self.n = strips, int(n)
+  def __init__(self, data, n: int):
+    self.data, self.n = data, int(n)
+
+  @property
+  def strips(self):
+    """[ceil(N / STRIP), K, STRIP]: `data` reshaped (in a jitted program, no copy)."""
+    k = self.data.shape[0]
+    return self.data.reshape(-1, k, STRIP)
 
   @property
   def shape(self):
     """The kernel's [K, N]."""
-    return (self.strips.shape[1], self.n)
+    return (self.data.shape[0], self.n)
+
+  @property
+  def ndim(self):
+    return 2
 
   @property
   def dtype(self):
-    return self.strips.dtype
+    return self.data.dtype
 
   def unpack(self):
     """The kernel [K, N] again (a copy)."""
-    k = self.strips.shape[1]
+    k = self.data.shape[0]
     return jnp.transpose(self.strips, (1, 0, 2)).reshape(k, -1)[:, :self.n]
 
   def tree_flatten(self):
-    return (self.strips,), self.n
+    return (self.data,), self.n
 
   @classmethod
   def tree_unflatten(cls, n, children):
@@ -97,11 +112,42 @@ def pack(w, *, transposed=False) -> Packed:
   one copy of w, made once, for `linear` / `kernel` to read instead."""
   if w.ndim != 2 or w.dtype != jnp.float32:
     raise ValueError(f'pack: w must be a 2-D float32 kernel, got shape {w.shape} {w.dtype}')
-  w = jnp.asarray(w).T if transposed else w
+  w = jnp.asarray(w).T if transposed else jnp.asarray(w)
   k, n = w.shape
   strips = -(-n // STRIP)
-  padded = jnp.pad(jnp.asarray(w), ((0, 0), (0, strips * STRIP - n)))
-  return Packed(jnp.transpose(padded.reshape(k, strips, STRIP), (1, 0, 2)), n)
+  padded = jnp.pad(w, ((0, 0), (0, strips * STRIP - n)))
+  data = jnp.transpose(padded.reshape(k, strips, STRIP), (1, 0, 2)).reshape(k, strips * STRIP)
+  return Packed(data, n)
+
+
+def packs(impl: str) -> bool:
+  """Whether linear_impl reads decode calls' Dense kernels from packed copies ('cpu_packed')."""
+  return resolve(impl) == 'cpu_packed'
+
+
+def pack_kernels(tree):
+  """`tree` (a params tree, e.g. one layer's) with every Dense kernel (a float32 2-D leaf named
+  'kernel' whose N is a multiple of STRIP, so nn.Dense takes its Packed) replaced by pack's copy;
+  every other leaf the same object. The copies add the kernels' size in memory."""
+  def one(path, leaf):
+    last = path[-1] if path else None
+    named_kernel = getattr(last, 'key', None) == 'kernel'
+    if (named_kernel and getattr(leaf, 'ndim', 0) == 2 and leaf.dtype == jnp.float32
+        and leaf.shape[1] % STRIP == 0):
+      return pack(leaf)
+    return leaf
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def promote_dtype(*args, dtype=None, inexact=True):
+  """flax's promote_dtype (nn.Dense(promote_dtype=...)), letting a Packed kernel through as it
+  is (float32; `linear` reads it)."""
+  from flax.linen import dtypes  # pylint: disable=import-outside-toplevel
+  if not any(isinstance(a, Packed) for a in args):
+    return dtypes.promote_dtype(*args, dtype=dtype, inexact=inexact)
+  plain = dtypes.promote_dtype(*[None if isinstance(a, Packed) else a for a in args],
+                               dtype=dtype or jnp.float32, inexact=inexact)
+  return [a if isinstance(a, Packed) else b for a, b in zip(args, plain)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,6 +285,8 @@ def dot_general(impl: str):
              and w.ndim == 2 and preferred_element_type in (None, x.dtype))
     if dense and runs_kernel(x, w):
       return linear(x, w, impl='cpu')
+    if isinstance(w, Packed):  # a contraction the kernel does not do: XLA's, of a copy
+      w = w.unpack()
     return jax.lax.dot_general(x, w, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
   return fn

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedjax.kernels import linear_cpu
-from pagedjax.model.llama import Llama, ModelConfig, init_params
+from pagedjax.model.llama import Llama, ModelConfig, init_params, per_layer_params
 from pagedjax.model.step import CompiledStep
 from pagedjax.host.requests.sampling_params import SamplingParams
 from tiny_models import make_engine, prompts, tiny
@@ -173,3 +173,28 @@ def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
     linear_cpu.kernel(jnp.ones((2, 36)), p)
   with pytest.raises(ValueError, match='2-D float32'):
     linear_cpu.pack(jnp.ones((4, 8), jnp.bfloat16))
+
+
+@needs_kernel
+def test_packed_per_layer_params_give_the_in_place_logits():
+  """linear_impl='cpu_packed': the step's per-layer params (what decode calls, which run the
+  layers unrolled, take) hold every Dense kernel as a Packed copy (llama.per_layer_params(
+  pack=True)), made once per params object, the embedding the same object; nn.Dense takes them,
+  and the unrolled model's logits and greedy tokens over 3 x 4 tokens (12 rows) equal the
+  stacked in-place model's within float32 rounding."""
+  cfg, params, _ = tiny('gqa')
+  step = CompiledStep(cfg, linear_impl='cpu_packed')
+  split = step._per_layer(params)  # pylint: disable=protected-access
+  assert split is step._per_layer(params)  # pylint: disable=protected-access
+  is_packed = lambda x: isinstance(x, linear_cpu.Packed)
+  leaves = jax.tree_util.tree_leaves(split['params']['layer_0'], is_leaf=is_packed)
+  assert sum(map(is_packed, leaves)) == 7 and split['params']['embed'] is params['params']['embed']
+  assert not CompiledStep(cfg, linear_impl='cpu')._per_layer.pack  # pylint: disable=protected-access
+  tokens = jnp.asarray([[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8]])
+  positions = jnp.broadcast_to(jnp.arange(4), tokens.shape)
+  packed = jax.jit(lambda p: Llama(cfg, layer_loop='unrolled', linear_impl='cpu_packed').apply(
+      p, tokens, positions)[0])(split)
+  in_place = jax.jit(lambda p: Llama(cfg, linear_impl='cpu').apply(p, tokens, positions)[0])(
+      params)
+  np.testing.assert_allclose(np.asarray(packed), np.asarray(in_place), atol=2e-5, rtol=0)
+  assert (np.asarray(packed).argmax(-1) == np.asarray(in_place).argmax(-1)).all()

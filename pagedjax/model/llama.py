@@ -63,7 +63,8 @@ class ModelConfig:
 def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias: bool = False):
   """nn.Dense whose matmul runs as linear_impl says."""
   return nn.Dense(features, use_bias=use_bias, dtype=dtype, name=name,
-                  dot_general=linear_cpu.dot_general(linear_impl))
+                  dot_general=linear_cpu.dot_general(linear_impl),
+                  promote_dtype=linear_cpu.promote_dtype)  # lets a packed kernel through
 
 
 class DenseParams(nn.Module):
@@ -278,10 +279,11 @@ class Llama(nn.Module):
     return logits.astype(jnp.float32), pool
 
 
-def per_layer_params(params):
+def per_layer_params(params, pack: bool = False):
   """The stacked params tree (layer_loop='scan') as Llama(layer_loop='unrolled') takes it: the
   `layers` subtree replaced by `layer_0` ... `layer_{L-1}`, each leaf without its leading
-  [num_layers] axis; every other leaf is the same array object.
+  [num_layers] axis; every other leaf is the same array object. pack: each layer's Dense kernels
+  as linear_cpu.pack_kernels copies them (linear_impl='cpu_packed'), the rest as above.
 
   Arrays on one CPU device are split without copying: each layer's leaf is a view of the
   stacked buffer (a numpy view handed to XLA, which keeps it alive and aliases it, as it does any
@@ -303,6 +305,8 @@ def per_layer_params(params):
 
   for i in range(num_layers):
     p[f'layer_{i}'] = jax.tree_util.tree_map(lambda x, i=i: layer(x, i), stacked)
+    if pack:
+      p[f'layer_{i}'] = linear_cpu.pack_kernels(p[f'layer_{i}'])
   return {**params, 'params': p}
 
 

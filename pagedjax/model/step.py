@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pagedjax.device import traces
 from pagedjax.model import sharding
+from pagedjax.kernels import linear_cpu
 from pagedjax.model.llama import Llama, ModelConfig, per_layer_params
 from pagedjax.device.pool import KVPool
 from pagedjax.device.sampling import sample, top_candidates
@@ -63,14 +64,15 @@ class _PerLayerParams:
   models); each entry holds its params object, so its id cannot be reused while cached."""
   KEEP = 2
 
-  def __init__(self):
+  def __init__(self, pack: bool = False):
+    self.pack = pack  # Dense kernels as packed copies (linear_impl='cpu_packed')
     self._entries = []  # [(params, per-layer params)], newest last
 
   def __call__(self, params):
     for stacked, split in self._entries:
       if stacked is params:
         return split
-    split = per_layer_params(params)
+    split = per_layer_params(params, pack=self.pack)
     self._entries = self._entries[-(self.KEEP - 1):] + [(params, split)]
     return split
 
@@ -102,7 +104,8 @@ class CompiledStep:
     self.unrolled_min_rows = unrolled_min_rows(decode_layers, mesh)
     self._args = (cfg, attention_impl, return_logits, mesh)
     self._topk_steps = {}
-    self._per_layer = _per_layer or _PerLayerParams()
+    self._per_layer = _per_layer or _PerLayerParams(
+        pack=mesh is None and linear_cpu.packs(linear_impl))
 
     def make_step(model):
       def step(params, pool: KVPool, inputs):
