@@ -34,6 +34,8 @@ STUDIES = {
     'simulate_cpu': ('experiments.simulate', 'test_simulator.py::test_calibrate_and_validate_tiny'),
     # Studies other files own, each with its own :tiny test.
     'bench_decode': ('experiments.bench_decode', 'test_bench_decode.py'),
+    'bench_linear': ('experiments.bench_linear',
+                     'test_bench_linear.py::test_bench_linear_tiny_writes_summary_csv_and_table'),
     'bench_attention': ('experiments.bench_attention',
                         'test_bench_attention.py::test_bench_attention_tiny_writes_summary_csv_and_plot'),
     'policy_lab': ('experiments.policy_lab', 'test_policy_lab.py::test_tiny_study'),
