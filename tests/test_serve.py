@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 import ray  # requirements-serve.txt
+from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from configs import serve as serve_config
@@ -284,10 +285,23 @@ def test_a_killed_replica_request_finishes_elsewhere_with_the_same_tokens(setup)
   assert out['choices'][0]['token_ids'] == reference(engine, prompt, n)
   _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
   assert victim not in states  # the router told the bus to forget it (and cleared its blocks)
-  # (Serve then starts a replica in place of the victim. That a fresh engine on the shared
-  # store restores what the others wrote and serves it as tier-3 hits is
-  # tests/test_shared_store.py's, engine to engine: waiting here for Serve to bring one up
-  # costs a replica's start, ~15 s of this 2-core suite.)
+  # Serve starts a replica in place of the victim: it opens the shared store, restores what
+  # the others wrote, and serves the prompt from it (while the survivor is busy)
+  survivor = out['pagedjax']['replica']
+  fresh = wait_for(lambda: [uid for uid in ray.get(deployment.bus.since.remote(0),
+                                                   timeout=TIMEOUT_S)[2]
+                            if uid not in (victim, survivor)], 'a replica in place of the dead')
+  wait_for(lambda: serve.status().applications[serve_lib.APP_NAME].deployments[
+      'EngineReplica'].replica_states.get('RUNNING') == 2, 'Serve lists it running')
+  time.sleep(0.5)  # the ingress's router learns of it by long poll
+  with busy(deployment, prompt + list(range(720, 740)), survivor):
+    status, out = serve_lib.post(deployment.url, body(prompt, 6), TIMEOUT_S)
+  assert status == 200, out
+  assert out['pagedjax']['replica'] == fresh[0]
+  assert out['choices'][0]['token_ids'] == reference(engine, prompt, 6)
+  restarted = wait_for(lambda: figures(deployment, fresh[0]), 'its figures')
+  assert restarted['tier3_restored_blocks'] > 0
+  assert restarted['tiers_tier3_hit_blocks'] >= (len(prompt) - 1) // BLOCK
 
 
 def test_a_shared_store_deployment_needs_a_disk_tier_and_its_router_shares_the_disk(tmp_path):
