@@ -179,8 +179,9 @@ def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
 def test_packed_per_layer_params_give_the_in_place_logits():
   """linear_impl='cpu_packed': the step's per-layer params (what decode calls, which run the
   layers unrolled, take) hold every Dense kernel as a Packed copy (llama.per_layer_params(
-  pack=True)), made once per params object, the embedding the same object; nn.Dense takes them,
-  and the unrolled model's logits and greedy tokens over 3 x 4 tokens (12 rows) equal the
+  pack=True)), made once per params object, and the tied head as the embedding's packed
+  transpose (the embedding the same object, for the lookup); nn.Dense takes them, and the
+  unrolled model's logits and greedy tokens over 3 x 4 tokens (12 rows) equal the
   stacked in-place model's within float32 rounding."""
   cfg, params, _ = tiny('gqa')
   step = CompiledStep(cfg, linear_impl='cpu_packed')
@@ -189,6 +190,7 @@ def test_packed_per_layer_params_give_the_in_place_logits():
   is_packed = lambda x: isinstance(x, linear_cpu.Packed)
   leaves = jax.tree_util.tree_leaves(split['params']['layer_0'], is_leaf=is_packed)
   assert sum(map(is_packed, leaves)) == 7 and split['params']['embed'] is params['params']['embed']
+  assert split['params']['packed_head'].shape == params['params']['embed']['embedding'].shape[::-1]
   assert not CompiledStep(cfg, linear_impl='cpu')._per_layer.pack  # pylint: disable=protected-access
   tokens = jnp.asarray([[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8]])
   positions = jnp.broadcast_to(jnp.arange(4), tokens.shape)

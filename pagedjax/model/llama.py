@@ -272,8 +272,9 @@ class Llama(nn.Module):
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
     if cfg.tie_embeddings:
-      logits = tied_logits(x.astype(jnp.float32), embed.embedding.astype(jnp.float32),
-                           linear_impl)
+      head = self.get_variable('params', 'packed_head')  # per_layer_params(pack=True)'s
+      head = embed.embedding.astype(jnp.float32) if head is None else head
+      logits = tied_logits(x.astype(jnp.float32), head, linear_impl)
     else:
       logits = dense(cfg.vocab_size, 'lm_head', None, linear_impl)(x.astype(jnp.float32))
     return logits.astype(jnp.float32), pool
@@ -282,8 +283,10 @@ class Llama(nn.Module):
 def per_layer_params(params, pack: bool = False):
   """The stacked params tree (layer_loop='scan') as Llama(layer_loop='unrolled') takes it: the
   `layers` subtree replaced by `layer_0` ... `layer_{L-1}`, each leaf without its leading
-  [num_layers] axis; every other leaf is the same array object. pack: each layer's Dense kernels
-  as linear_cpu.pack_kernels copies them (linear_impl='cpu_packed'), the rest as above.
+  [num_layers] axis; every other leaf is the same array object. pack (linear_impl='cpu_packed'):
+  each layer's Dense kernels and an untied head's as linear_cpu.pack_kernels copies them, and a
+  tied embedding's packed transpose added as `packed_head` (the head reads it; the embedding
+  stays for the lookup), the rest as above.
 
   Arrays on one CPU device are split without copying: each layer's leaf is a view of the
   stacked buffer (a numpy view handed to XLA, which keeps it alive and aliases it, as it does any
@@ -307,6 +310,10 @@ def per_layer_params(params, pack: bool = False):
     p[f'layer_{i}'] = jax.tree_util.tree_map(lambda x, i=i: layer(x, i), stacked)
     if pack:
       p[f'layer_{i}'] = linear_cpu.pack_kernels(p[f'layer_{i}'])
+  if pack and 'lm_head' in p:
+    p['lm_head'] = linear_cpu.pack_kernels(p['lm_head'])
+  elif pack and p['embed']['embedding'].dtype == jnp.float32:
+    p['packed_head'] = linear_cpu.pack(p['embed']['embedding'], transposed=True)
   return {**params, 'params': p}
 
 
