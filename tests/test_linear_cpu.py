@@ -191,7 +191,8 @@ def test_packed_per_layer_params_give_the_in_place_logits():
   leaves = jax.tree_util.tree_leaves(split['params']['layer_0'], is_leaf=is_packed)
   assert sum(map(is_packed, leaves)) == 7 and split['params']['embed'] is params['params']['embed']
   assert split['params']['packed_head'].shape == params['params']['embed']['embedding'].shape[::-1]
-  assert not CompiledStep(cfg, linear_impl='cpu')._per_layer.pack  # pylint: disable=protected-access
+  unpacked = CompiledStep(cfg, linear_impl='cpu')
+  assert not unpacked._per_layer.pack  # pylint: disable=protected-access
   tokens = jnp.asarray([[3, 1, 4, 1], [5, 9, 2, 6], [5, 3, 5, 8]])
   positions = jnp.broadcast_to(jnp.arange(4), tokens.shape)
   packed = jax.jit(lambda p: Llama(cfg, layer_loop='unrolled', linear_impl='cpu_packed').apply(
