@@ -9,9 +9,10 @@ One greedy request whose context (prompt + new tokens) is `context_multiple` x t
   all_device   the normal engine with a pool just big enough (context_multiple x the memory):
                the reference tokens and logits
   streamed     the engine with that pool and offload on (config.offload, through
-               pagedjax/long_context.py's thin loop) at each (window, chunk) point: the newest
-               window blocks on the device, older blocks in host RAM streamed in chunks every
-               step; its tokens must equal all_device's. The `disk_points` run again with every
+               pagedjax/long_context.py's thin loop) at each (window, chunk[, layers per
+               call]) point: the newest window blocks on the device, older blocks in host RAM
+               streamed every step, one program per group of layers folding them in chunks;
+               its tokens must equal all_device's. The `disk_points` run again with every
                offloaded block on the disk tier (offload.placement='disk', a tensorstore
                directory under WORKDIR, removed after)
   recompute    no cache: each step re-runs the whole context through the model (one layer's K/V
@@ -47,7 +48,8 @@ before each round and after the last, so drifting load spreads over all rows. Co
 one run as ratios.
 
 Writes to WORKDIR:
-  results.jsonl, results.csv  one line per streamed point: placement, window and chunk, bytes
+  results.jsonl, results.csv  one line per streamed point: placement, window, chunk and
+                              layers per streamed program, bytes
                               streamed per decode step (padding included) and the useful part,
                               decode ms/token and tokens/s, prefill seconds and bytes, device KV
                               bytes, whether the tokens match all_device and the largest logit
@@ -93,14 +95,15 @@ from pagedjax.model.llama import Llama, init_params
 from pagedjax.sim import cost_model as sim_cost
 from pagedjax.sim import hardware as sim_hardware
 
-COLUMNS = ('placement', 'window_blocks', 'chunk_blocks', 'window_tokens', 'context_over_window',
+COLUMNS = ('placement', 'window_blocks', 'chunk_blocks', 'layers_per_call', 'window_tokens',
+           'context_over_window',
            'host_blocks', 'mb_streamed_per_step', 'useful_mb_streamed_per_step',
            'decode_tokens_per_s_best', 'decode_tokens_per_s', 'decode_ms_per_token_best',
            'decode_ms_per_token', 'decode_ms_per_token_mean', 'over_all_device_best',
            'streamed_gb_per_s', 'prefill_s', 'prefill_mb_streamed', 'window_kv_mb',
            'device_kv_mb', 'tokens_match', 'max_abs_logit_diff', 'compilations',
            'model_stream_s_per_step', 'model_recompute_context_s', 'break_even_decode_steps')
-TABLE = ('placement', 'window_blocks', 'chunk_blocks', 'mb_streamed_per_step',
+TABLE = ('placement', 'window_blocks', 'chunk_blocks', 'layers_per_call', 'mb_streamed_per_step',
          'decode_ms_per_token_best', 'decode_ms_per_token', 'over_all_device_best', 'prefill_s',
          'tokens_match', 'max_abs_logit_diff', 'break_even_decode_steps')
 PROJECTION_COLUMNS = ('machine', 'model', 'source', 'context_tokens', 'window_tokens',
@@ -118,16 +121,20 @@ MB = 1e6
 # Settings
 # ------------------------------------------------------------------------------------------------
 def _pairs(lc, name: str, typed) -> list:
-  """config.long_context.<name> as (window_blocks, chunk_blocks) settings, or ConfigError."""
+  """config.long_context.<name> as settings, or ConfigError: (window_blocks, chunk_blocks),
+  or (window_blocks, chunk_blocks, layers_per_call) (config.offload.layers_per_call; 1 when
+  not given)."""
   out, pool_blocks = [], typed.pool.num_blocks - 1
   for i, point in enumerate(lc[name]):
     try:
-      window, chunk = point
+      window, chunk, *rest = point
+      (layers,) = rest or (1,)
       out.append(LongContextSettings(typed.pool.block_size, pool_blocks, window, chunk,
-                                     lc.prefill_chunk).validate())
+                                     lc.prefill_chunk, layers_per_call=layers).validate())
     except (TypeError, ValueError) as e:
       raise ConfigError(f'config.long_context.{name}[{i}]={point!r} is not allowed: '
-                        f'(window_blocks, chunk_blocks) with {e}') from None
+                        f'(window_blocks, chunk_blocks) or (window_blocks, chunk_blocks, '
+                        f'layers_per_call) with {e}') from None
   return out
 
 
@@ -341,6 +348,8 @@ def streamed_row(decoder: LongContextDecoder, runs: list, reference: dict, conte
   figures = decode_figures(steps)
   return {
       'placement': s.placement, 'window_blocks': s.window_blocks, 'chunk_blocks': s.chunk_blocks,
+      # the layers each streamed program runs (more than the model's: all of them)
+      'layers_per_call': min(s.layers_per_call, decoder.model_cfg.num_layers),
       'window_tokens': window_tokens, 'context_over_window': context / window_tokens,
       'host_blocks': first.host_blocks, 'mb_streamed_per_step': step_mb,
       'useful_mb_streamed_per_step': np.mean(first.step_host_blocks) * block_mb,
@@ -555,6 +564,7 @@ def write_rows(rows: list, projected: list, workdir: str) -> None:
 
 def point_label(row: dict) -> str:
   return (f"W={row['window_blocks']} C={row['chunk_blocks']}" +
+          (f"\n{row['layers_per_call']} layers/call" if row['layers_per_call'] > 1 else '') +
           ('\ndisk' if row['placement'] == 'disk' else ''))
 
 
@@ -686,7 +696,8 @@ def sweep(decoders, ids, sampling, engine, repeats: int):
       runs[i].append(r)
       p = points[i]
       cli.say(f'round {round_index}: {p.placement:4s} W={p.window_blocks:3d} '
-              f'C={p.chunk_blocks:3d} {np.mean(r.step_bytes_streamed) / MB:7.2f} MB/step '
+              f'C={p.chunk_blocks:3d} G={p.layers_per_call:3d} '
+              f'{np.mean(r.step_bytes_streamed) / MB:7.2f} MB/step '
               f'{1e3 * np.median(r.step_seconds):7.1f} ms/token')
   bar.close()
   passes.append(timed_pass(engine, ids, sampling))

@@ -331,7 +331,16 @@ class OffloadConfig:
   # disk_blocks 0 as well, offload is off: a request that can never fit the pool is refused.
   host_blocks: int = 0
   device_blocks: int = 16  # device blocks an offloaded sequence may hold (its newest tokens)
-  chunk_blocks: int = 8  # host blocks per streamed attention call (the last chunk padded)
+  # Host blocks per fold step of streamed attention (the last chunk padded): the unit its
+  # online softmax merges, inside one program per layer group.
+  chunk_blocks: int = 8
+  # Layers per streamed program: a program takes its layers' host blocks of the whole batch in
+  # one transfer and runs them (q/k/v, every fold step, o_proj, MLP). Device memory holds that
+  # many layers' host K/V at once (two groups while the next is transferred): 1 keeps offload's
+  # point on an accelerator; a value >= the model's layers streams every layer's host K/V in
+  # one program per step (fewest calls; as much device memory as the offloaded blocks, so only
+  # where calls cost more than memory, as on a CPU).
+  layers_per_call: int = 1
   # When a decode finds the pool out of blocks, first shrink the running sequence holding the
   # most blocks beyond device_blocks to that many (its older blocks offloaded), and preempt
   # only when none can be shrunk.
@@ -350,7 +359,7 @@ class OffloadConfig:
 
   def validate(self, pool: PoolConfig, tiers: TiersConfig):
     for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1),
-                        ('disk_blocks', 0), ('decode_every', 1)):
+                        ('layers_per_call', 1), ('disk_blocks', 0), ('decode_every', 1)):
       value = getattr(self, name)
       if not _is_int(value) or value < least:
         _fail(f'offload.{name}', value, f'an integer >= {least}')

@@ -159,7 +159,7 @@ class Engine:
     self.executor.offload = offload
     self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
                                                off.chunk_blocks, self.executor.token_buckets,
-                                               self.executor.batch_buckets)
+                                               self.executor.batch_buckets, off.layers_per_call)
     return offload
 
   @property

@@ -40,10 +40,11 @@ def _positive_int(name: str, value) -> int:
 class LongContextSettings:
   """block_size: tokens per block. pool_blocks: the device pool's blocks (the null block
   aside). window_blocks (W): device blocks an offloaded sequence holds, at most pool_blocks.
-  chunk_blocks (C): host blocks streamed per device call. prefill_chunk: prompt tokens per
-  step (a power of two). host_blocks: the offload store's blocks (0: as many as max_seq_len
-  needs). placement: where they live, 'host' (RAM) or 'disk' (the disk tier, in the
-  tensorstore kvstore disk_kvstore: a directory or URL)."""
+  chunk_blocks (C): host blocks per fold step. prefill_chunk: prompt tokens per step (a power
+  of two). host_blocks: the offload store's blocks (0: as many as max_seq_len needs).
+  placement: where they live, 'host' (RAM) or 'disk' (the disk tier, in the tensorstore
+  kvstore disk_kvstore: a directory or URL). layers_per_call: layers per streamed program
+  (config.offload.layers_per_call; more than the model's = all of them)."""
   block_size: int = 16
   pool_blocks: int = 16
   window_blocks: int = 16
@@ -52,9 +53,11 @@ class LongContextSettings:
   host_blocks: int = 0
   placement: str = 'host'
   disk_kvstore: str = ''
+  layers_per_call: int = 1
 
   def validate(self) -> 'LongContextSettings':
-    for name in ('block_size', 'pool_blocks', 'window_blocks', 'chunk_blocks', 'prefill_chunk'):
+    for name in ('block_size', 'pool_blocks', 'window_blocks', 'chunk_blocks', 'prefill_chunk',
+                 'layers_per_call'):
       _positive_int(name, getattr(self, name))
     if self.window_blocks > self.pool_blocks:
       raise ValueError(f'window_blocks={self.window_blocks} is not allowed: at most '
@@ -70,7 +73,8 @@ class LongContextSettings:
     """base with this pool, prefill chunk and offload section (max_seq_len sizes the offload
     store when host_blocks is 0): every offloaded block in host RAM, or all on the disk tier."""
     blocks = self.host_blocks or math.ceil(max_seq_len / self.block_size)
-    window = dict(device_blocks=self.window_blocks, chunk_blocks=self.chunk_blocks)
+    window = dict(device_blocks=self.window_blocks, chunk_blocks=self.chunk_blocks,
+                  layers_per_call=self.layers_per_call)
     offload = (OffloadConfig(host_blocks=blocks, **window) if self.placement == 'host' else
                OffloadConfig(disk_blocks=blocks, disk_kvstore=self.disk_kvstore,
                              placement='disk', **window))

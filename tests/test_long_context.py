@@ -30,6 +30,7 @@ from pagedjax.host.scheduling.offload_store import OffloadStore
 from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
 from pagedjax.model import llama
+from pagedjax.model.step import CompiledStep
 from tiny_models import engine_config, prompts, tiny
 
 ATOL_LOGITS = 1e-4
@@ -186,10 +187,48 @@ def test_two_long_requests_batched_in_one_streamed_call(offloaded, reference):
     _same(g, w)
     assert g.output_ids == a.output_ids
   assert counters['batches_of_2_rows'] - pairs >= params.max_new_tokens - 1  # the decodes, at least
-  # Warm now for one and two rows: another pair of other lengths compiles nothing.
+  # Warm now for one and two rows, and for their fold-step buckets (the decodes' 1 and 2
+  # chunks are bucket 2, the prompt chunks' bucket 1): another pair of other lengths with the
+  # same buckets compiles nothing.
   before = offloaded.num_compilations
-  offloaded.generate(prompts([50, 75], seed=13), SamplingParams(max_new_tokens=3))
+  offloaded.generate(prompts([76, 80], seed=13), SamplingParams(max_new_tokens=3))
   assert offloaded.num_compilations == before
+
+
+def test_layer_groups_stream_every_layer_as_the_dense_model():
+  # A 7-layer model in streamed programs of 3 layers (groups of 3, 3 and 1: two program
+  # shapes), at 3.2x the pool. The groups' host reads go into two alternating sets of buffers,
+  # so the third group's refill the first's: greedy tokens and logits as the dense no-cache
+  # forward over the same tokens (the reference here: one program, not an engine's several).
+  cfg = dataclasses.replace(tiny('gqa')[0], num_layers=7)
+  params = llama.init_params(cfg, seed=1)
+  config, _ = engine_config(cfg, block_size=BLOCK, num_blocks=POOL_BLOCKS + 1, max_batch_size=4,
+                            prefill_chunk=16, decode_min_rows=2)
+  offload = dataclasses.replace(OFFLOAD, layers_per_call=3)
+  engine = Engine(cfg, params, dataclasses.replace(config, offload=offload),
+                  step_fn=CompiledStep(cfg, return_logits=True), record_logits=True)
+  prompt = prompts([100], seed=3)[0]
+  got = _solo(engine, prompt, SamplingParams(max_new_tokens=3))
+  dense = np.asarray(llama.forward_dense(cfg, params, np.array([prompt + got.output_ids])))[0]
+  want = dense[len(prompt) - 1:-1]  # the logits each new token was sampled from
+  assert got.output_ids == list(np.argmax(want, axis=-1))
+  np.testing.assert_allclose(np.stack(got.logits), want, atol=ATOL_LOGITS, rtol=0)
+  counters = engine.executor.streamed.counters
+  assert counters['layer_calls'] == 3 * counters['batches'] and counters['fold_steps'] > 0
+
+
+def test_fold_steps_pad_rows_and_steps_with_block_0_unseen():
+  # Rows of 5 and 1 host blocks (and two padding rows) in chunks of 2 blocks of 2 tokens: 3
+  # steps, padded to 4; step-major ids, the store's read order.
+  steps = sa.fold_steps([[7, 8, 9, 10, 11], [3]], 4, 2, 2)
+  assert steps.num_steps == 3 and steps.positions.shape == (4, 4, 2, 2)
+  ids = steps.ids.reshape(4, 4, 2)
+  assert ids[:, 0].tolist() == [[7, 8], [9, 10], [11, 0], [0, 0]]
+  assert ids[:, 1].tolist() == [[3, 0], [0, 0], [0, 0], [0, 0]] and not ids[:, 2:].any()
+  assert steps.positions[2, 0].tolist() == [[8, 9], [-1, -1]]
+  assert steps.positions[0, 1].tolist() == [[0, 1], [-1, -1]]
+  assert (steps.positions[3] == -1).all() and (steps.positions[:, 2:] == -1).all()
+  assert [sa.step_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
 
 
 def test_disk_placement_gives_the_all_device_tokens(reference, tmp_path):
@@ -325,11 +364,17 @@ def _stream_one_layer(cfg, lp, pool, x, start, count, host_blocks, window_blocks
   streamed = sa.StreamedAttention(cfg, bs, len(window_blocks), chunk_blocks, [x.shape[1]])
   row = sa.StreamedRow([0] * count, start, host_blocks, window_blocks, 0.0, 0, 1.0, 0, 0, lane)
   inputs = sa.RowInputs(*streamed.row_inputs([row], 1, x.shape[1]))
-  q, state, pool = sa._begin_layer(cfg, False, lp, np.int32(0), x, pool, inputs)
-  layer0 = {name: a[0] for name, a in pool.block_arrays().items()}
-  for ids, positions in sa.batch_chunks([host_blocks], 1, chunk_blocks, bs):
-    chunk = {name: a[ids] for name, a in layer0.items()}  # as the offload store holds them
-    state = sa._fold(pool.spec, state, q, inputs.positions, chunk, positions)
+  steps = sa.fold_steps([host_blocks], 1, chunk_blocks, bs)
+  chunks = {name: a[0][steps.ids].reshape((len(steps.positions), -1) + a.shape[2:])
+            for name, a in pool.block_arrays().items()}  # as the offload store holds them
+
+  @jax.jit
+  def attend(pool, x, chunks):
+    q, k, v = llama.layer_qkv(cfg, lp, x, inputs.positions)
+    return sa.layer_attention(pool, np.int32(0), q, k, v, inputs, chunks, steps.positions,
+                              steps.num_steps)
+
+  pool, state = attend(pool, x, chunks)
   return sa.normalise(jax.tree_util.tree_map(lambda a: a[0], state), cfg.num_heads), pool
 
 

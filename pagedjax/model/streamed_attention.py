@@ -25,14 +25,19 @@ executor calls it beside the batched steps, pagedjax/executor.py). Rows of one t
 together, B of them padded to a row bucket (the engine's powers of two up to max_batch_size):
 
   embed        the rows' T tokens (prompt chunks padded to engine.prefill_chunk, or 1)
-  per layer:
-    begin      q/k/v; the new K/V written into the engine's pool at the rows' slots, in the
+  per layer group (offload.layers_per_call layers; 1 by default), one program (`_layers`):
+    in         each layer's host blocks of every row, all its fold steps, put on the device in
+               one transfer: [S, B * C] blocks, step i holding every row's i-th chunk of C
+               host blocks (host block 0 at positions -1 for a row with fewer chunks, and for
+               the steps padding S to a power of two)
+    per layer of the group:
+      begin    q/k/v; the new K/V written into the engine's pool at the rows' slots, in the
                pool's own scheme (donated: in place); each row's partial state over its window
                (`_window_state`)
-    fold       per fold step i: every row's i-th chunk of C host blocks (host block 0 at
-               positions -1 for a row with fewer chunks) put on the device in one transfer,
-               dequantized as the pool would, merged into each row's running state
-    end        normalise, o_proj, residual, MLP
+      fold     a loop over the real fold steps (lax.fori_loop, its count a traced argument):
+               step i's chunks dequantized as the pool would, merged into each row's running
+               state (online softmax)
+      end      normalise, o_proj, residual, MLP
   finish       each row's last real token; final norm, logits and the engine's own sampler
                (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds); with a
                beam row in the batch, also every row's top-K ids and log-probs, as the
@@ -45,19 +50,25 @@ through the scheme's per-query view as the all-device step does (pool.write_and_
 recent window's ring may reach back past the window: those tokens are read from the ring there,
 and the folds see host keys only up to each query's position - window.
 
-So a batch costs L * (2 + the longest row's chunks) + 2 calls, whatever B is. The store's reads
-of a layer are started while the layer before computes (`OffloadStore.start_read`: a disk
-placement reads asynchronously).
+So a batch costs ceil(L / layers_per_call) + 3 calls and as many transfers, whatever B and the
+context are. Device memory holds, beyond the pool, one group's host K/V for the batch padded to
+S steps (two groups while the next one is transferred): one layer's by default, which is what
+keeps offload worth having on an accelerator; layers_per_call >= L holds every layer's (fewest
+calls, for a CPU, where calls cost more than memory). The store's reads of a group are started
+while the group before computes (`OffloadStore.start_read`: a disk placement reads
+asynchronously).
 
 The weights are the engine's: on one CPU device each layer's params are views of the stacked
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
 index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
-W, the chunk C, the row bucket B and the query length T, one of the engine's two token
-buckets. So an engine compiles 5 programs per (T, B) it meets and the sampler's once per B
-(and once per (B, K) with beams), whatever the context: at most 11 per row bucket without
-beams; the layer is a traced argument. Every one is counted in
-pagedjax/device/traces.py, and engines of one model and pool shape share them (module-level
-jits, the model config and storage spec static).
+W, the chunk C, the row bucket B, the query length T (one of the engine's two token buckets),
+the step bucket S (`step_bucket`: the longest row's chunks to a power of two) and the group's
+layers (at most two sizes: the last group may be smaller). So an engine compiles, per (T, B) it
+meets, embed, the row selection of finish and one layer program per (S, group size) met, and
+the sampler's once per B (and once per (B, K) with beams): S grows with the log of the context,
+so the programs are bounded for a bounded max_seq_len. The layer index is a traced argument.
+Every one is counted in pagedjax/device/traces.py, and engines of one model and pool shape
+share them (module-level jits, the model config and storage spec static).
 """
 import collections
 import functools
@@ -209,10 +220,6 @@ class _WindowBatch(NamedTuple):
   slot_mapping: jax.Array  # [B, T]
 
 
-def _layer(lp, layer, stacked: bool):
-  return jax.tree_util.tree_map(lambda a: a[layer], lp) if stacked else lp
-
-
 _partial_states = jax.vmap(partial_state)  # one state per row: [B, Hkv, R(, Dh)]
 _view_states = jax.vmap(view_state)
 
@@ -270,23 +277,9 @@ def _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window, windo
   return pool, view, older
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _embed(cfg, params, tokens):
-  traces.record()  # trace time only
-  return llama.embed_tokens(cfg, params, tokens)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _begin_layer(cfg, stacked, lp, layer, x, pool, rows: RowInputs):
-  traces.record()
-  q, k, v = llama.layer_qkv(cfg, _layer(lp, layer, stacked), x, rows.positions)
-  pool, state = _window_state(pool, layer, q, k, v, rows)
-  return q, state, pool
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_positions):
-  traces.record()
+def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_positions) -> State:
+  """state merged with one fold step: every row's chunk of C blocks, chunk field -> [B * C, ...]
+  as the pool stores blocks, at positions [B, C, bs]."""
   # The chunk as a one-layer pool of its B * C blocks, read (dequantized) by the pool's scheme.
   blocks = pool_lib.KVPool(**{name: a[None] for name, a in chunk.items()}, spec=spec)
   rows, chunk_blocks = chunk_positions.shape[:2]
@@ -297,11 +290,45 @@ def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_position
   return combine(state, _partial_states(q, upto, k, v, chunk_positions))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _end_layer(cfg, stacked, lp, layer, x, state):
+def layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array],
+                    chunk_positions, num_steps):
+  """One layer's attention state for the rows (inside a program): the new K/V written into the
+  pool, each row's window state, then the fold steps 0..num_steps - 1 merged in order (a loop,
+  not unrolled: one program whatever the count). chunks: field -> [S, B * C, ...], step i's
+  blocks (S >= num_steps, the steps' bucket: steps from num_steps on are never read);
+  chunk_positions [S, B, C, bs]. -> (pool, state [B, Hkv, R(, Dh)])."""
+  pool, state = _window_state(pool, layer, q, k, v, rows)
+  chunk_positions = jnp.asarray(chunk_positions)
+
+  def step(i, state):
+    return _fold(pool.spec, state, q, rows.positions, {name: a[i] for name, a in chunks.items()},
+                 chunk_positions[i])
+  return pool, jax.lax.fori_loop(0, num_steps, step, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(cfg, params, tokens):
+  traces.record()  # trace time only
+  return llama.embed_tokens(cfg, params, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _layers(cfg, stacked, lps, first, x, pool, rows: RowInputs, chunks, chunk_positions,
+            num_steps):
+  """x [B, T, D] through the layers first, first + 1, .. (one per entry of chunks, that layer's
+  fold steps as `layer_attention` takes them): q/k/v, attention over the window and the host
+  blocks, o_proj, residual, MLP. lps: the stacked layer params (stacked) or each layer's own.
+  -> (x, pool); the pool is donated (written in place)."""
   traces.record()
-  attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state).astype(x.dtype)
-  return llama.layer_output(cfg, _layer(lp, layer, stacked), x, attn)
+  for i, layer_chunks in enumerate(chunks):
+    layer = first + i
+    lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
+    q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions)
+    pool, state = layer_attention(pool, layer, q, k, v, rows, layer_chunks, chunk_positions,
+                                  num_steps)
+    attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state).astype(x.dtype)
+    x = llama.layer_output(cfg, lp, x, attn)
+  return x, pool
 
 
 @jax.jit
@@ -323,6 +350,11 @@ def _finish(cfg, topk, params, x, temperature, top_k, top_p, seed, counter):
   return tokens, logits, top_candidates(logits, topk)
 
 
+def step_bucket(steps: int) -> int:
+  """The fold steps a program is compiled for: the next power of two (1, 2, 4, ...)."""
+  return 1 << max(steps - 1, 0).bit_length()
+
+
 def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
   """(host ids [C], positions [C, bs]) of every chunk of a sequence's host blocks, in order;
   the last chunk is padded with host block 0 at positions -1 (nothing sees them)."""
@@ -338,22 +370,27 @@ def padded_chunks(host_table: List[int], chunk_blocks: int, block_size: int):
   return out
 
 
-def batch_chunks(host_tables: List[List[int]], rows: int, chunk_blocks: int, block_size: int):
-  """The fold steps of a batch of `rows` rows (the first len(host_tables) real): step i holds
-  every row's i-th chunk, (host ids [rows * C], positions [rows, C, bs]); a row with fewer
-  chunks, and a padding row, gets host block 0 at positions -1 there. As many steps as the
-  longest row has chunks."""
+class FoldSteps(NamedTuple):
+  """A batch's fold steps (host arrays): step i holds every row's i-th chunk."""
+  ids: np.ndarray  # [S * B * C] host ids, step-major (what the store reads for a layer)
+  positions: np.ndarray  # [S, B, C, bs] int32, -1 = padding
+  num_steps: int  # the real steps: the longest row's chunks; S = step_bucket(num_steps)
+
+
+def fold_steps(host_tables: List[List[int]], rows: int, chunk_blocks: int,
+               block_size: int) -> FoldSteps:
+  """The fold steps of a batch of `rows` rows (the first len(host_tables) real), padded to
+  step_bucket(the longest row's chunks) steps: a row with fewer chunks, a padding row, and a
+  padding step get host block 0 at positions -1."""
   per_row = [padded_chunks(t, chunk_blocks, block_size) for t in host_tables]
-  steps = max((len(c) for c in per_row), default=0)
-  out = []
-  for i in range(steps):
-    ids = np.zeros((rows, chunk_blocks), np.int64)
-    positions = np.full((rows, chunk_blocks, block_size), -1, np.int32)
-    for r, chunks in enumerate(per_row):
-      if i < len(chunks):
-        ids[r], positions[r] = chunks[i]
-    out.append((ids.reshape(-1), positions))
-  return out
+  num_steps = max((len(c) for c in per_row), default=0)
+  steps = step_bucket(num_steps)
+  ids = np.zeros((steps, rows, chunk_blocks), np.int64)
+  positions = np.full((steps, rows, chunk_blocks, block_size), -1, np.int32)
+  for r, chunks in enumerate(per_row):
+    for i, (chunk_ids, chunk_positions) in enumerate(chunks):
+      ids[i, r], positions[i, r] = chunk_ids, chunk_positions
+  return FoldSteps(ids.reshape(-1), positions, num_steps)
 
 
 class StreamedAttention:
@@ -361,22 +398,29 @@ class StreamedAttention:
 
   Rows are batched: those of one token bucket (prompt chunks, or decode tokens) go through one
   set of calls, padded to a row bucket (`row_buckets`, the engine's powers of two up to
-  max_batch_size), so two long requests decoding together cost one call per layer and chunk,
-  not two. Compiled shapes: 5 programs per (token bucket, row bucket) met and one per row
-  bucket (and top-K bucket, with beams), each counted (device/traces.py). `counters`: batches
-  run (and of how many real rows), their padding rows, and fold calls."""
+  max_batch_size), so two long requests decoding together cost one call per layer group, not
+  two. `layers_per_call` layers run in one program with their host blocks (offload.
+  layers_per_call; more than the model's layers = all of them). Compiled shapes are counted
+  (device/traces.py). `counters`: batches run (and of how many real rows), their padding rows,
+  layer programs called, fold steps run and padding steps (to the step bucket) transferred."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
-               chunk_blocks: int, token_buckets, row_buckets=(1,)):
+               chunk_blocks: int, token_buckets, row_buckets=(1,), layers_per_call: int = 1):
     self.cfg, self.block_size = cfg, block_size
     self.window_blocks, self.chunk_blocks = window_blocks, chunk_blocks
     self.token_buckets, self.row_buckets = sorted(token_buckets), sorted(row_buckets)
-    self._layers = None  # (params, [per-layer params], stacked), for the params last seen
+    per_call = min(layers_per_call, cfg.num_layers)
+    # (first layer, layers): at most two sizes, so at most two programs per shape.
+    self.groups = [(first, min(per_call, cfg.num_layers - first))
+                   for first in range(0, cfg.num_layers, per_call)]
+    self._layers = None  # (params, [each group's layer params], stacked), for the last params
     self._layer_ids = [np.int32(i) for i in range(cfg.num_layers)]
+    self._buffers = {}  # (layer of a group, blocks) -> field -> host array: what reads fill
     self.counters = collections.Counter()
 
   def layers(self, params):
-    """Each layer's params as the programs take them (module docstring: views, or stacked)."""
+    """Each layer group's params as the programs take them (module docstring: a tuple of
+    per-layer views, or the stacked arrays), and whether they are stacked."""
     if self._layers is None or self._layers[0] is not params:
       stacked_tree = params['params']['layers']
       leaf = jax.tree_util.tree_leaves(stacked_tree)[0]
@@ -384,10 +428,10 @@ class StreamedAttention:
                     next(iter(leaf.devices())).platform == 'cpu')
       if on_one_cpu:
         split = llama.per_layer_params(params)['params']
-        self._layers = (params, [split[f'layer_{i}'] for i in range(self.cfg.num_layers)],
-                        False)
+        self._layers = (params, [tuple(split[f'layer_{i}'] for i in range(first, first + n))
+                                 for first, n in self.groups], False)
       else:
-        self._layers = (params, [stacked_tree] * self.cfg.num_layers, True)
+        self._layers = (params, [stacked_tree] * len(self.groups), True)
     return self._layers[1], self._layers[2]
 
   def row_inputs(self, rows: List[StreamedRow], num_rows: int, num_tokens: int) -> RowInputs:
@@ -436,6 +480,19 @@ class StreamedAttention:
             ids[i], logprobs[i] = cands[0][j], cands[1][j]
     return pool, tokens, np.stack(logits), streamed, (ids, logprobs) if topk else None
 
+  def _buffer(self, fields, parity: int, index: int, num_blocks: int):
+    """The host arrays the `index`-th layer of a group is read into, num_blocks blocks as the
+    pool stores them, in one of two sets (`parity`: groups alternate, so a group's reads fill
+    one set while the program reading the other's transfer may still run). Made once per
+    (parity, index, num_blocks) and reused: a fresh array per read would cost its page faults
+    every time, more than the copy on this CPU. So host memory of about 2 x layers_per_call
+    layers' reads per (step bucket, row bucket) met."""
+    key = (parity, index, num_blocks)
+    if key not in self._buffers:
+      self._buffers[key] = {name: np.empty((num_blocks,) + tuple(shape[2:]), dtype)
+                            for name, (shape, dtype) in fields.items()}
+    return self._buffers[key]
+
   def _run_batch(self, params, pool, store, rows: List[StreamedRow], num_tokens: int,
                  topk: int = 0):
     """One batch of rows of at most num_tokens tokens through every layer (module docstring)."""
@@ -445,31 +502,45 @@ class StreamedAttention:
     token_ids = np.zeros((num_rows, num_tokens), np.int32)
     for r, row in enumerate(rows):
       token_ids[r, :len(row.tokens)] = row.tokens
-    # The batch's inputs go to the device once, not once per layer call.
-    inputs = RowInputs(*jax.device_put(tuple(host)))
-    steps = batch_chunks([r.host_table for r in rows], num_rows, self.chunk_blocks,
-                         self.block_size)
-    step_positions = [jax.device_put(positions) for _, positions in steps]
+    steps = fold_steps([r.host_table for r in rows], num_rows, self.chunk_blocks,
+                       self.block_size)
+    bucket = len(steps.positions)
+    # The batch's inputs go to the device once, not once per layer group.
+    inputs, step_positions, num_steps = jax.device_put(
+        (RowInputs(*host), steps.positions, np.int32(steps.num_steps)))
     self.counters['batches'] += 1
     self.counters[f'batches_of_{len(rows)}_rows'] += 1
     self.counters['padding_rows'] += num_rows - len(rows)
-    self.counters['fold_calls'] += cfg.num_layers * len(steps)
-    layers, stacked = self.layers(params)
-    streamed = 0
-    # Reads are started one layer ahead (a disk store reads while the layer before computes).
-    pending = [store.start_read(0, ids) for ids, _ in steps]
+    self.counters['layer_calls'] += len(self.groups)
+    self.counters['fold_steps'] += cfg.num_layers * steps.num_steps
+    self.counters['padding_steps'] += cfg.num_layers * (bucket - steps.num_steps)
+    group_params, stacked = self.layers(params)
+    fields = pool.block_array_shapes()  # before the pool is donated
+
+    def start_reads(group):  # a disk store's reads run while the group before computes
+      first, count = self.groups[group]
+      return [store.start_read(first + i, steps.ids,
+                               self._buffer(fields, group % 2, i, len(steps.ids)))
+              for i in range(count)]
+
+    def as_steps(data):  # field -> [S * B * C, ...] -> [S, B * C, ...] (a view)
+      return {name: a.reshape((bucket, -1) + a.shape[1:]) for name, a in data.items()}
+
+    streamed, pending = 0, start_reads(0)
+    used = [None, None]  # the output of the program that last read each set of buffers
     x = _embed(cfg, params, token_ids)
-    for layer, lp in enumerate(layers):
-      layer_id = self._layer_ids[layer]
-      q, state, pool = _begin_layer(cfg, stacked, lp, layer_id, x, pool, inputs)
-      upcoming = ([store.start_read(layer + 1, ids) for ids, _ in steps]
-                  if layer + 1 < cfg.num_layers else [])
-      for read, chunk_positions in zip(pending, step_positions):
-        data = jax.device_put(read())
-        streamed += sum(a.nbytes for a in data.values())
-        state = _fold(pool.spec, state, q, inputs.positions, data, chunk_positions)
-      pending = upcoming
-      x = _end_layer(cfg, stacked, lp, layer_id, x, state)
+    for group, (first, _) in enumerate(self.groups):
+      # Transfers and programs run asynchronously, and the program two groups back may still
+      # read what was transferred from the buffers these reads fill: it must be done first.
+      # (Waiting only for that transfer is not enough on this CPU: greedy tokens of a 7-layer
+      # model came out wrong, test_layer_groups_stream_every_layer_as_the_all_device_engine.)
+      jax.block_until_ready(used[group % 2])
+      chunks = jax.device_put(tuple(as_steps(read()) for read in pending), may_alias=False)
+      streamed += sum(a.nbytes for layer in chunks for a in layer.values())
+      pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
+      x, pool = _layers(cfg, stacked, group_params[group], self._layer_ids[first], x, pool,
+                        inputs, chunks, step_positions, num_steps)
+      used[group % 2] = x
     index = np.zeros(num_rows, np.int32)  # each row's last real token (padding rows: 0)
     index[:len(rows)] = [len(r.tokens) - 1 for r in rows]
 

@@ -204,28 +204,34 @@ class OffloadStore:
     if len(on_disk):
       self.disk.write(local, {name: np.asarray(d)[:, on_disk] for name, d in data.items()})
 
-  def start_read(self, layer: int, ids) -> Callable[[], Dict[str, np.ndarray]]:
+  def start_read(self, layer: int, ids, out=None) -> Callable[[], Dict[str, np.ndarray]]:
     """One layer's arrays of blocks `ids` (0 = zeros): the disk's reads are issued now, and
-    the callable returns field -> [len(ids), ...] once they are done (a copy)."""
+    the callable returns field -> [len(ids), ...] once they are done (a copy; into `out`,
+    field -> such an array, when given: a buffer reused saves allocating, and the page faults
+    of, fresh memory on every read)."""
     ids = np.asarray(ids, np.int64)
     on_disk, local = self._split(ids)
     if not len(on_disk):
-      return lambda: self._gather(layer, ids)
+      return lambda: self._gather(layer, ids, out)
     unique, inverse = np.unique(local, return_inverse=True)  # forks share blocks: read once
     pending = self.disk.read(layer, unique)
 
     def result():
-      out = self._gather(layer, np.where(ids > self.host_blocks, 0, ids))
+      got = self._gather(layer, np.where(ids > self.host_blocks, 0, ids), out)
       disk = pending()
       for name, blocks in disk.items():
-        out[name][on_disk] = blocks[inverse]
+        got[name][on_disk] = blocks[inverse]
       self.bytes_read['disk'] += len(on_disk) * self.layer_block_bytes
-      return out
+      return got
     return result
 
-  def _gather(self, layer: int, ids: np.ndarray) -> Dict[str, np.ndarray]:
+  def _gather(self, layer: int, ids: np.ndarray, out=None) -> Dict[str, np.ndarray]:
     self.bytes_read['host'] += int(np.count_nonzero(ids)) * self.layer_block_bytes
-    return {name: array[layer, ids] for name, array in self._ram.items()}
+    # ids are host ids 0..H here (start_read replaced the disk's by 0): 'clip' never clips, and
+    # lets take write into `out` unbuffered.
+    return {name: np.take(array[layer], ids, axis=0, mode='clip',
+                          out=None if out is None else out[name])
+            for name, array in self._ram.items()}
 
   def layer_chunk(self, layer: int, ids) -> Dict[str, np.ndarray]:
     """Field name -> [len(ids), ...]: one layer's arrays of these blocks (a copy)."""
