@@ -27,13 +27,14 @@ from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.model.step import CompiledStep
 
 
-_MODELS = {}  # (model config, attention impl) -> (ModelConfig, params, encode, CompiledStep)
+_MODELS = {}  # (model config, attention impl, linear impl) -> (ModelConfig, params, encode, step)
 
 
 def _model(config):
   """Shared by every point of one model in a process, so points that differ only in pool or
   scheduler settings reuse its params and compiled steps."""
-  key = (json.dumps(config.model.to_dict(), sort_keys=True), config.attention.impl)
+  key = (json.dumps(config.model.to_dict(), sort_keys=True), config.attention.impl,
+         config.engine.linear_impl)
   if key not in _MODELS:
     if config.model.source == 'random':
       # No tokenizer needed: prompts are the UTF-8 bytes of the real text.
@@ -46,7 +47,8 @@ def _model(config):
       cfg, params, tokenizer = factory.load_model_and_tokenizer(config)
       encode = tokenizer.encode
     _MODELS.clear()  # one model at a time: a sweep's points share it
-    _MODELS[key] = cfg, params, encode, CompiledStep(cfg, config.attention.impl)
+    _MODELS[key] = cfg, params, encode, CompiledStep(cfg, config.attention.impl,
+                                                    linear_impl=config.engine.linear_impl)
   return _MODELS[key]
 
 

@@ -298,7 +298,8 @@ def calibrate_and_validate(config, workdir: str, progress=print) -> dict:
   else:
     model_cfg, params, tokenizer = factory.load_model_and_tokenizer(typed)
     encode = tokenizer.encode
-  step = CompiledStep(model_cfg, typed.attention.impl)  # shared: compiled once for every run
+  # shared: compiled once for every run
+  step = CompiledStep(model_cfg, typed.attention.impl, linear_impl=typed.engine.linear_impl)
   make = lambda step_fn=step: factory.make_engine(typed, model_cfg, params, tokenizer,
                                                   step_fn=step_fn)
   trace = trace_of(config, encode)

@@ -28,7 +28,7 @@ from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.scheduling.scheduler import PREEMPTION_POLICIES
 from pagedjax.host.tiers.tier_cost import PROMOTION_RULES
 from pagedjax.model import sharding
-from pagedjax.model.llama import DTYPES, ModelConfig
+from pagedjax.model.llama import DTYPES, LINEAR_IMPLS, ModelConfig
 
 MODEL_SOURCES = ('smollm2', 'gguf', 'safetensors', 'random')
 KV_DTYPES = ('auto',) + kv_schemes.KV_DTYPES
@@ -176,6 +176,12 @@ class EngineConfig:
   # sequence (single-stream, latency-bound decoding) its own programs of 1, 2 and 4 rows, which
   # cost what one row costs rather than eight, at up to three more compilations.
   decode_min_rows: int = 8
+  # How the model's linear layers and output head multiply (kernels/linear_cpu.py): auto (the
+  # native CPU kernel on a CPU backend where it builds, reading the weights in place; else XLA's
+  # dots), xla, cpu, cpu_fused (q/k/v and gate/up one kernel call each), cpu_packed (decode
+  # calls read a packed copy of every Dense kernel and the head, made once: the weights' size
+  # again in host memory, docs/decode_speed.md).
+  linear_impl: str = 'auto'
 
   def validate(self):
     if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
@@ -184,6 +190,8 @@ class EngineConfig:
       _fail('engine.prefill_chunk', self.prefill_chunk, 'a power of two')
     if not _is_power_of_two(self.decode_min_rows):
       _fail('engine.decode_min_rows', self.decode_min_rows, 'a power of two')
+    if self.linear_impl not in LINEAR_IMPLS:
+      _fail('engine.linear_impl', self.linear_impl, f'one of {LINEAR_IMPLS}')
     if not _is_int(self.max_seq_len) or self.max_seq_len < 2:
       _fail('engine.max_seq_len', self.max_seq_len, 'an integer >= 2')
     # A chunk is a static [rows, chunk] shape of every prefill call: longer than any prompt can

@@ -107,7 +107,8 @@ class Engine:
     self.swap_store = swap = (SwapStore(pool.block_array_shapes(), sched.swap_blocks or pool_cfg.num_blocks
                                  - 1) if sched.preemption != 'recompute' else None)
     self.executor = backend.executor(
-        params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits),
+        params, pool, step_fn or backend.step(model_cfg, config.attention.impl, record_logits,
+                                        linear_impl=eng.linear_impl),
         self.block_manager, vocab_size=model_cfg.vocab_size, max_batch_size=eng.max_batch_size,
         prefill_chunk=eng.prefill_chunk, max_seq_len=self.max_seq_len, swap_store=swap, timer=timer,
         decode_min_rows=eng.decode_min_rows)

@@ -119,7 +119,8 @@ def make_engine(config, model_cfg, params, tokenizer, **engine_kwargs) -> Engine
   step_fn = kwargs.get('step_fn')
   if step_fn is None:
     kwargs['step_fn'] = CompiledStep(sharded_cfg, config.attention.impl,
-                                     kwargs.get('record_logits', False), mesh=mesh)
+                                     kwargs.get('record_logits', False), mesh=mesh,
+                                     linear_impl=config.engine.linear_impl)
   elif getattr(step_fn, 'mesh', None) != mesh:
     raise ValueError(f'step_fn was built for mesh {getattr(step_fn, "mesh", None)}, but '
                      f'config.mesh.model={tp} needs {mesh}: build it with '

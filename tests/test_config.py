@@ -1,9 +1,12 @@
+import jax
 import pytest
 
 from configs import default
 from pagedjax import kernels
 from pagedjax import factory
-from pagedjax.config import ConfigError
+from pagedjax.config import Config, ConfigError
+from pagedjax.engine import Engine
+from pagedjax.model.llama import init_params
 from pagedjax.studies.workloads import validate_config
 
 
@@ -29,6 +32,8 @@ def test_default_and_tiny_configs_are_valid():
     ('engine.prefill_chunk', 2**30, r'prefill_chunk=1073741824 is not allowed: a power of two at '
      r'most 1024'),
     ('engine.decode_min_rows', 3, r'engine.decode_min_rows=3 is not allowed: a power of two'),
+    ('engine.linear_impl', 'mkl', r"engine.linear_impl='mkl' is not allowed: one of \('auto', "
+                                  r"'xla'"),
     ('sampling.max_new_tokens', 0, r'config.sampling.max_new_tokens=0 is not allowed'),
     ('sampling.top_p', 1.5, r'config.sampling.top_p=1.5 is not allowed'),
 ])
@@ -71,3 +76,15 @@ def test_an_attention_path_this_machine_cannot_run_is_refused_before_loading():
                      r"machine: one of \['auto', 'reference', 'xla'(, 'cpu')?\]"):
     factory.load_model_and_tokenizer(config)
   assert kernels.runs_on('triton', 'tpu') is False and kernels.runs_on('xla', 'tpu')
+
+
+def test_the_engine_multiplies_as_engine_linear_impl_says():
+  """config.engine.linear_impl reaches the step the factory builds (and the one an engine builds
+  for itself), nothing compiled."""
+  config = default.get_config('tiny')
+  config.engine.linear_impl = 'xla'
+  typed = Config.from_configdict(config)
+  cfg = typed.model.random_model_config()
+  params = jax.eval_shape(lambda: init_params(cfg))
+  assert factory.make_engine(typed, cfg, params, None).executor.step_fn.linear_impl == 'xla'
+  assert Engine(cfg, params, typed).executor.step_fn.linear_impl == 'xla'

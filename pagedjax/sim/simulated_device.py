@@ -274,8 +274,9 @@ class SimulatedBackend:
     del layout, disk  # no disk tier here (tier_layout)
     return self.preemption_cost(t, executor)
 
-  def step(self, model_cfg, attention_impl=None, return_logits=False) -> SimulatedStep:
-    del model_cfg, attention_impl
+  def step(self, model_cfg, attention_impl=None, return_logits=False,
+           linear_impl=None) -> SimulatedStep:
+    del model_cfg, attention_impl, linear_impl  # the cost model times the step
     if return_logits:
       raise ValueError('a simulated step has no logits to record (record_logits=False)')
     return SimulatedStep(self)
