@@ -10,8 +10,9 @@ block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + m
   - through the normal engine with a pool just big enough (all on the device): the reference
     tokens and logits, and its tokens/s;
   - through the engine with this pool and offload on (config.offload) at every `points` entry
-    (window_blocks, chunk_blocks): the newest window_blocks in the pool, older blocks in host
-    RAM streamed chunk_blocks at a time; (16, C) holds the whole refused pool;
+    (window_blocks, chunk_blocks[, layers_per_call]): the newest window_blocks in the pool,
+    older blocks in host RAM streamed chunk_blocks per fold step, layers_per_call layers per
+    program (1 when not given); (16, C) holds the whole refused pool;
   - by recompute: the whole context re-run without a cache every step (each layer's K/V live
     only while that layer runs), for `recompute_tokens` tokens;
   - at every `disk_points` entry again, with the offloaded blocks on the disk tier;
@@ -43,10 +44,11 @@ def get_config(arg=None):
       context_multiple=4,  # prompt + new tokens = this many times the pool's tokens
       prompt_verse=0,  # the KJV verse the prompt's text starts at
       prefill_chunk=64,  # prompt tokens per step of the streamed engines
-      # (window_blocks, chunk_blocks) of config.offload, each window at most the pool: the
-      # window sweep at chunk 8, the chunk sweep at the whole pool. A tuple, so the command line
-      # can override it: --config.long_context.points='((16, 8),)'
-      points=((16, 8), (8, 8), (4, 8), (2, 8), (16, 2), (16, 32)),
+      # (window_blocks, chunk_blocks[, layers_per_call]) of config.offload, each window at most
+      # the pool: the window sweep at chunk 8, the chunk sweep at the whole pool, and every
+      # layer in one streamed program (64 >= the model's 30 layers). A tuple, so the command
+      # line can override it: --config.long_context.points='((16, 8),)'
+      points=((16, 8), (8, 8), (4, 8), (2, 8), (16, 2), (16, 32), (16, 8, 64)),
       # Ordinary requests timed alone and beside the long one (offloaded with this window):
       beside_requests=2, beside_window=8, beside_prompt_tokens=32, beside_new_tokens=32,
       beside_decode_every=(2, 4, 8),  # again with the long one on 1 iteration in k

@@ -533,7 +533,7 @@ class StreamedAttention:
       # Transfers and programs run asynchronously, and the program two groups back may still
       # read what was transferred from the buffers these reads fill: it must be done first.
       # (Waiting only for that transfer is not enough on this CPU: greedy tokens of a 7-layer
-      # model came out wrong, test_layer_groups_stream_every_layer_as_the_all_device_engine.)
+      # model came out wrong, test_layer_groups_stream_every_layer_as_the_dense_model.)
       jax.block_until_ready(used[group % 2])
       chunks = jax.device_put(tuple(as_steps(read()) for read in pending), may_alias=False)
       streamed += sum(a.nbytes for layer in chunks for a in layer.values())
