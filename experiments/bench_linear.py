@@ -19,7 +19,8 @@ shapes' medians weighted by how many of each a decode step runs (per_step): the 
 time per variant. Nothing here asserts a time.
 
 Writes DIR/summary.json (figures, the config, versions, git state, load), DIR/results.csv (one
-row per rows, shape and variant) and DIR/table.md.
+row per rows, shape and variant), DIR/table.md and DIR/bench_linear.png (the step's matmul time
+and weight bandwidth per variant against the rows).
 """
 import ctypes
 import functools
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
+from experiments import plots
 from pagedjax.config import ConfigError
 from pagedjax.kernels import cpu, linear_cpu
 from pagedjax.studies import run_info
@@ -157,6 +159,38 @@ def measure(bench, rows, shape, variants):
   return out
 
 
+def step_bandwidth(bench, step_ms: dict) -> dict:
+  """rows -> variant -> W's bytes read per second over a whole step's matmuls (GB/s)."""
+  step_bytes = sum(s[1] * s[2] * 4 * s[4] for s in bench.shapes)
+  return {rows: {v: step_bytes / (ms * 1e-3) / 1e9 for v, ms in per.items()}
+          for rows, per in step_ms.items()}
+
+
+def plot(path, step_ms: dict, step_gbs: dict, title_note: str = '') -> None:
+  """Per variant against the rows: the step's matmul time (left, log axes) and its weights'
+  read bandwidth (right)."""
+  plt = plots.pyplot()
+  rows = sorted(step_ms)
+  variants = list(dict.fromkeys(v for per in step_ms.values() for v in per))
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout='constrained')
+  for name in variants:
+    axes[0].plot(rows, [step_ms[r][name] for r in rows], 'o-', label=name)
+    axes[1].plot(rows, [step_gbs[r][name] for r in rows], 'o-', label=name)
+  plots.log_x(axes[0], rows)
+  plots.log_y(axes[0], [ms for per in step_ms.values() for ms in per.values()])
+  plots.log_x(axes[1], rows)
+  axes[1].set_ylim(bottom=0)
+  axes[0].set_ylabel("a decode step's matmuls, median (ms)")
+  axes[1].set_ylabel("weights read per second over the step (GB/s)")
+  for ax in axes:
+    plots.plain_ticks(ax, rows)
+    ax.set_xlabel('rows (sequences in the decode call)')
+  axes[0].set_title('Matmul time per decode step' + title_note)
+  axes[1].set_title('Weight read bandwidth' + title_note)
+  plots.legend_below(axes[0], ncol=len(variants))
+  plots.save(fig, path)
+
+
 def study(config, workdir):
   bench = config.bench
   variants = {'kernel': linear_cpu.kernel, 'packed': packed_kernel}
@@ -189,7 +223,11 @@ def study(config, workdir):
                    f' | {ms:.2f} | {ms / step[rows]["kernel"]:.2f} |')
   cli.write_table(workdir, '\n'.join(table) + '\n\nGB/s = W bytes read per second; xR = time '
                   'over the kernel\'s, median of per-round ratios' + cli.variant_note(config))
+  step_gbs = step_bandwidth(bench, step)
+  plot(os.path.join(workdir, 'bench_linear.png'), step, step_gbs,
+       ' (tiny variant)' if cli.variant(config) != 'full' else '')
   summary = dict(results=rows_out, step_ms={str(r): v for r, v in step.items()},
+                 step_w_gbs={str(r): v for r, v in step_gbs.items()},
                  avx2=linear_cpu.uses_avx2(), baseline_library=baseline_library,
                  load_average_1m=os.getloadavg()[0], **run_info.summary_fields(config))
   run_info.write_json(os.path.join(workdir, 'summary.json'), summary)

@@ -6,9 +6,10 @@ import json
 import pytest
 
 from configs import bench_linear as bench_config
-from experiments import bench_linear, cli
+from experiments import bench_linear
 from pagedjax.config import ConfigError
 from pagedjax.kernels import linear_cpu
+from study_outputs import check_outputs, run_tiny
 
 needs_kernel = pytest.mark.skipif(not linear_cpu.available(),
                                   reason=f'needs the native linear kernel: '
@@ -18,7 +19,8 @@ needs_kernel = pytest.mark.skipif(not linear_cpu.available(),
 @needs_kernel
 def test_bench_linear_tiny_writes_summary_csv_and_table(tmp_path):
   config = bench_config.get_config('tiny')
-  summary = cli.run_config(bench_linear.study, config, str(tmp_path), check=bench_linear.check)
+  summary, stdout = run_tiny(bench_linear.study, config, tmp_path, check=bench_linear.check)
+  check_outputs(tmp_path, stdout)  # the table, files listed, CSV columns, the plot
   assert json.loads((tmp_path / 'summary.json').read_text()) == json.loads(
       json.dumps(summary, default=str))
   assert summary['variant'] == 'tiny'
@@ -29,6 +31,7 @@ def test_bench_linear_tiny_writes_summary_csv_and_table(tmp_path):
   assert all(float(r['ms']) > 0 and float(r['w_gbs']) > 0 for r in rows)
   assert float(rows[0]['over_kernel']) == 1.0
   assert set(summary['step_ms']['8']) == {'kernel', 'packed', 'xla'}
+  assert all(gbs > 0 for gbs in summary['step_w_gbs']['8'].values())
   assert '| 8 | packed |' in (tmp_path / 'table.md').read_text()
 
 
