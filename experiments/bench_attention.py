@@ -23,7 +23,6 @@ DIR/results.csv (one row per variant and shape) and DIR/bench_attention.png.
 import functools
 import importlib
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -149,19 +148,9 @@ class MemoryTraffic:
 
 
 def time_interleaved(fns, rounds):
-  """fns: name -> zero-arg callable. Median seconds per name over rounds that call every
-  variant once, in an order rotated each round (a variant timed right after one that freed
-  a large buffer pays for it; rotating spreads that over all)."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())  # compile + warm up
-  names = list(fns)
-  times = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(fns[name]())
-      times[name].append(time.perf_counter() - t0)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  """fns: name -> zero-arg callable. Median seconds per name over cli.time_rounds' rotated
+  rounds."""
+  return {name: float(np.median(t)) for name, t in cli.time_rounds(fns, rounds).items()}
 
 
 # ------------------------------------------------------------------------------------------------

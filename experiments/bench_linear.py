@@ -27,7 +27,6 @@ import functools
 import os
 import subprocess
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -107,22 +106,6 @@ def chained(matmul, transposed):
   return jax.jit(fn)
 
 
-def time_rounds(fns, rounds):
-  """fns: name -> zero-arg callable. Seconds per name and round ({name: [t, ...]}), each round
-  calling every variant once in an order rotated round by round, after one warm-up call each
-  (bench_attention.time_interleaved keeps the medians only; the ratios here are per round)."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  names = list(fns)
-  times = {name: [] for name in names}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(fns[name]())
-      times[name].append(time.perf_counter() - t0)
-  return times
-
-
 def measure(bench, rows, shape, variants):
   """One (rows, shape): check every variant against float64, then the interleaved rounds ->
   figures."""
@@ -146,7 +129,7 @@ def measure(bench, rows, shape, variants):
       raise RuntimeError(f'{variant} differs from the float64 oracle by {err.max()} at {rows} x '
                          f'{name}')
     fns[variant] = functools.partial(fn, x, *operands)
-  rounds = time_rounds(fns, bench.rounds)
+  rounds = cli.time_rounds(fns, bench.rounds)
   w_bytes, flops = 4 * copies * k * n, 2 * rows * copies * k * n
   kernel = np.asarray(rounds['kernel'])
   out = []

@@ -29,13 +29,13 @@ number of steps and larger ones fewer; time = fixed + per_block * blocks + per_s
 """
 import functools
 import math
-import time
 from typing import Callable, Dict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import cli
 from pagedjax import kernels
 import pagedjax.kernels.xla  # noqa: F401  (sets kernels.xla)
 from pagedjax.config import ConfigError
@@ -109,17 +109,8 @@ def decode_inputs(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, 
 
 def time_interleaved(fns: Dict[int, Callable], rounds: int) -> Dict[int, float]:
   """Median seconds per call of each zero-argument fn (which must return only when its work is
-done), over rounds that call every fn once in an order rotated each round (after one warm-up
-call each, which compiles)."""
-  for fn in fns.values():
-    fn()
-  names, times = list(fns), {name: [] for name in fns}
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      start = time.perf_counter()
-      fns[name]()
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+done), over cli.time_rounds' rotated rounds (after one warm-up call each, which compiles)."""
+  return {name: float(np.median(t)) for name, t in cli.time_rounds(fns, rounds).items()}
 
 
 def measure(impl: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: str, *,

@@ -408,6 +408,26 @@ def check_fields(config, section: str, **rules) -> None:
       raise ConfigError(f'config.{section}.{field}={value!r} is not allowed: {allowed}')
 
 
+def time_rounds(fns, rounds: int) -> dict:
+  """fns: name -> zero-argument callable. The seconds of every timed call per name ({name:
+  [t, ...]}): one warm-up call each (which compiles), then `rounds` rounds that call every fn
+  once, in an order rotated round by round (a variant timed right after one that freed a large
+  buffer pays for it; rotating spreads that over all, and load from other processes hits all
+  alike). Each call is timed to the end of its work: its result is waited for
+  (jax.block_until_ready; a fn returning nothing must return only when done)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  names = list(fns)
+  times = {name: [] for name in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      start = time.perf_counter()
+      jax.block_until_ready(fns[name]())
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
 PROFILE_REQUIREMENTS = 'requirements-profile.txt'
 
 
