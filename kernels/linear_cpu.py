@@ -229,19 +229,17 @@ def kernel(x, w, *, transposed=False):
     if transposed or w.shape[0] != k:
       raise ValueError(f'linear: x {x.shape} and packed w {w.shape} (transposed={transposed}) '
                        'do not contract: a Packed kernel is [K, N], transposed=False')
-    rows = int(np.prod(x.shape[:-1]))
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.n), jnp.float32),
-                            vmap_method='sequential')
-    y = call(x.reshape(rows, k), w.strips, transposed=np.int64(0))
-    return y.reshape(*x.shape[:-1], w.n)
-  n = w.shape[0] if transposed else w.shape[1]
-  if (w.shape[1] if transposed else w.shape[0]) != k:
-    raise ValueError(f'linear: x {x.shape} and w {w.shape} (transposed={transposed}) do not '
-                     'contract')
+    n, operand = w.n, w.strips  # the FFI handler tells the layout by w's rank (3-D: packed)
+  else:
+    n = w.shape[0] if transposed else w.shape[1]
+    if (w.shape[1] if transposed else w.shape[0]) != k:
+      raise ValueError(f'linear: x {x.shape} and w {w.shape} (transposed={transposed}) do not '
+                       'contract')
+    operand = w
   rows = int(np.prod(x.shape[:-1]))
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
                           vmap_method='sequential')
-  y = call(x.reshape(rows, k), w, transposed=np.int64(bool(transposed)))
+  y = call(x.reshape(rows, k), operand, transposed=np.int64(bool(transposed)))
   return y.reshape(*x.shape[:-1], n)
 
 
