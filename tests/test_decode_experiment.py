@@ -2,6 +2,9 @@
 its refusals (config, flags, workdir, prompts) as one line before anything loads or compiles."""
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -11,7 +14,7 @@ from pagedjax import factory
 from pagedjax.engine import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
 from fakes import FakeStep, fake_engine
-from tiny_models import run_experiment
+from tiny_models import ROOT, run_experiment
 
 SUMMARY_KEYS = ('model', 'num_requests', 'generated_tokens', 'tokens_per_second',
                 'kv_blocks_total', 'kv_blocks_peak_used', 'kv_utilization', 'num_compilations',
@@ -60,18 +63,39 @@ CLI_ERRORS = {
 }
 
 
+@pytest.fixture(scope='module')
+def cli_error_runs(tmp_path_factory):
+  """case -> (exit status, stderr, tmp dir) of `python -m experiments.decode FLAGS` for every
+  case, each command in a fork of one process that imported decode's imports once
+  (tests/forked_cli.py): what each command does from main() on is a run of its own."""
+  root = tmp_path_factory.mktemp('cli_errors')
+  argvs, dirs = [], {}
+  for case, (flags, _) in CLI_ERRORS.items():
+    tmp = dirs[case] = root / case
+    tmp.mkdir()
+    file = tmp / 'results.txt'
+    file.write_text('not a directory')
+    flags = [f.format(file=file) for f in flags]
+    if not any(f.startswith('--workdir') for f in flags):
+      flags.append(f'--workdir={tmp / "out"}')
+    argvs.append(flags)
+  run = subprocess.run([sys.executable, os.path.join(ROOT, 'tests', 'forked_cli.py'),
+                        'experiments.decode', str(root), json.dumps(argvs)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  codes = json.loads(run.stdout.strip().splitlines()[-1])
+  return {case: (code, (root / f'{i}.err').read_text(), dirs[case])
+          for i, (case, code) in enumerate(zip(CLI_ERRORS, codes))}
+
+
 @pytest.mark.parametrize('case', CLI_ERRORS)
-def test_cli_errors_are_one_line_before_loading(tmp_path, case):
-  flags, message = CLI_ERRORS[case]
+def test_cli_errors_are_one_line_before_loading(cli_error_runs, case):
+  _, message = CLI_ERRORS[case]
+  returncode, stderr, tmp_path = cli_error_runs[case]
   file = tmp_path / 'results.txt'
-  file.write_text('not a directory')
-  flags = [f.format(file=file) for f in flags]
-  if not any(f.startswith('--workdir') for f in flags):
-    flags.append(f'--workdir={tmp_path / "out"}')
-  run = run_experiment('experiments.decode', *flags)
-  lines = [line for line in run.stderr.splitlines() if line.strip()]
-  assert run.returncode == 2, run.stderr[-3000:]
-  assert len(lines) == 1 and lines[0].startswith('error: '), run.stderr[-3000:]
+  lines = [line for line in stderr.splitlines() if line.strip()]
+  assert returncode == 2, stderr[-3000:]
+  assert len(lines) == 1 and lines[0].startswith('error: '), stderr[-3000:]
   assert message.format(file=file) in lines[0]
   assert not (tmp_path / 'out').exists()  # refused before the workdir was made
 
