@@ -72,12 +72,14 @@ def get_config(arg=None):
     config.engine.prefill_chunk = 32
     config.sampling.max_new_tokens = 4
     config.long_context.prefill_chunk = 32
-    config.long_context.points = ((2, 2),)  # half the pool's window: one set of programs
+    # Half the pool's window, chunks of 8 as the full window sweep's: its up to 14 host blocks
+    # fold in 1 or 2 steps, one set of programs (chunks of 2 compiled 4 fold-step buckets).
+    config.long_context.points = ((2, 8),)
     config.long_context.update(dict(beside_window=2, beside_prompt_tokens=8,
                                     beside_new_tokens=4, beside_decode_every=(2,)))
     config.long_context.recompute_tokens = 2
     config.long_context.repeats = 1
-    config.long_context.disk_points = ((2, 2),)
+    config.long_context.disk_points = ((2, 8),)
     config.long_context.project_contexts = (1024, 8192)
   elif arg:
     raise ValueError(f'configs/long_context.py: unknown variant {arg!r}; allowed: tiny')
