@@ -113,13 +113,23 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
   """Real weights: transformers' own GGUF dequantize + q/k unpermute gives the same logits."""
   import functools
   import gguf
-  from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-  # transformers parses the file once per call below and builds the same tensor-name map once
-  # per module (~400 times): both are functions of their arguments alone, so they are memoized
-  # for this test (transformers imports them from gguf at each call). Its parse, name mapping
-  # and dequantization are still what runs.
+  from transformers import modeling_gguf_pytorch_utils as hf_gguf
+  load_gguf_checkpoint = hf_gguf.load_gguf_checkpoint
+  # transformers parses the file once per call below, converts every metadata field to Python
+  # values once per call (the tokenizer's 49k tokens and merges among them) and builds the same
+  # tensor-name map once per module (~400 times): each is a function of its arguments alone, so
+  # they are memoized for this test (transformers imports the first and last from gguf at each
+  # call). Its parse, field values, name mapping and dequantization are still what runs.
   monkeypatch.setattr(gguf, 'GGUFReader', functools.lru_cache(gguf.GGUFReader))
   monkeypatch.setattr(gguf, 'get_tensor_name_map', functools.lru_cache(gguf.get_tensor_name_map))
+  parse, parsed = hf_gguf._gguf_parse_value, {}  # pylint: disable=protected-access
+
+  def parse_once(part, types):  # part: an array of the one cached reader, alive all test long
+    key = (id(part), repr(types))
+    if key not in parsed:
+      parsed[key] = (part, parse(part, types))
+    return parsed[key][1]
+  monkeypatch.setattr(hf_gguf, '_gguf_parse_value', parse_once)
   cfg, params, tok = smollm2
   path = weights.smollm2_gguf_path()
   hf_config = load_gguf_checkpoint(path)['config']
