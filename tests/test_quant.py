@@ -152,6 +152,13 @@ def _write_attend_read(pool, k, v, q, inputs):
   return written, out, pick(key_hi, k_hi, k_lo), pick(value_hi, v_hi, v_lo)
 
 
+@jax.jit
+def _dequantize_blocks(pool, tables):
+  """Layer 0's blocks in `tables`, dequantized (pool.dequantize_blocks in one program per
+  scheme, not op by op)."""
+  return pool_lib.dequantize_blocks(pool, 0, tables)
+
+
 def _attention(q, k, v, positions):
   """float64 causal attention of q [T, Hq, D] at `positions`, query t over its own k[t], v[t]
   [S, H, D]."""
@@ -177,7 +184,7 @@ def _pool_round_trip(spec, chunks, seed=0):
   keys[..., 3] *= 10.0  # an outlier channel
   values = rng.normal(size=(total, HEADS, HEAD_DIM)).astype(np.float32)
   queries = rng.normal(size=(total, Q_HEADS, HEAD_DIM)).astype(np.float32)
-  dense = lambda x: np.swapaxes(np.asarray(x[0]), 1, 2).reshape(-1, HEADS, HEAD_DIM)
+  dense = lambda x: np.swapaxes(np.asarray(x)[0], 1, 2).reshape(-1, HEADS, HEAD_DIM)
   start, outs = 0, []
   for n in chunks:
     inputs = build_step_inputs([RowSpec(list(range(n)), start, TABLE, lane=1)], BLOCK, [1],
@@ -185,12 +192,14 @@ def _pool_round_trip(spec, chunks, seed=0):
     pad = lambda x: np.pad(x[start:start + n], ((0, 16 - n), (0, 0), (0, 0)))[None]
     pool, out, seen_k, seen_v = _write_attend_read(pool, pad(keys), pad(values), pad(queries),
                                                    inputs)
-    seen_k, seen_v = (np.asarray(x[0, :n, :start + n]) for x in (seen_k, seen_v))
+    # Sliced as numpy: a device array's slice of each new (n, start) would compile its own op.
+    out, seen_k, seen_v = (np.asarray(x)[0, :n] for x in (out, seen_k, seen_v))
+    seen_k, seen_v = seen_k[:, :start + n], seen_v[:, :start + n]
     want = _attention(queries[start:start + n], seen_k, seen_v, np.arange(start, start + n))
-    np.testing.assert_allclose(out[0, :n], want, atol=1e-5, rtol=1e-5)
-    outs.append(np.asarray(out[0, :n]))
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    outs.append(out)
     start += n
-  held_k, held_v = pool_lib.dequantize_blocks(pool, 0, np.asarray(TABLE)[None])
+  held_k, held_v = _dequantize_blocks(pool, np.asarray(TABLE)[None])
   full = total // BLOCK * BLOCK
   return dict(keys=keys, values=values, seen_k=seen_k[-1], seen_v=seen_v[-1],
               held_k=dense(held_k)[:full], held_v=dense(held_v)[:full],
