@@ -366,8 +366,8 @@ def _stream_one_layer(cfg, lp, pool, x, start, count, host_blocks, window_blocks
   row = sa.StreamedRow([0] * count, start, host_blocks, window_blocks, 0.0, 0, 1.0, 0, 0, lane)
   inputs = sa.RowInputs(*streamed.row_inputs([row], 1, x.shape[1]))
   steps = sa.fold_steps([host_blocks], 1, chunk_blocks, bs)
-  chunks = {name: a[0][steps.ids].reshape((len(steps.positions), -1) + a.shape[2:])
-            for name, a in pool.block_arrays().items()}  # as the offload store holds them
+  chunks = {name: np.asarray(a)[0][steps.ids].reshape((len(steps.positions), -1) + a.shape[2:])
+            for name, a in pool.block_arrays().items()}  # as the offload store holds them (host)
 
   @jax.jit
   def attend(pool, x, chunks):
