@@ -1,8 +1,6 @@
 """Beam search (beam.py) through the engine: selection against brute force on the tiny model,
 beam width 1 against greedy, and block bookkeeping while beams fork and drop. The sharing
 study's beam part runs in tests/test_sharing.py (test_reproduce_sharing_tiny, `:tiny_beam`)."""
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,16 +12,21 @@ from fakes import check_blocks
 from tiny_models import VOCAB, dense_fn, make_engine, prompts, tiny
 
 
+def _log_softmax(logits):
+  """In numpy (float64): jax's would compile once per sequence length."""
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(axis=-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
 def _logprobs(ids_batch):
   """Dense no-cache next-token log-probs after each row of ids_batch (same lengths)."""
-  logits = dense_fn('gqa')(jnp.asarray(ids_batch))[:, -1]
-  return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+  return _log_softmax(dense_fn('gqa')(np.asarray(ids_batch))[:, -1])
 
 
 def _score(prompt, output_ids):
   """Summed log-prob of output_ids after prompt under the dense model (one call)."""
-  logits = dense_fn('gqa')(jnp.asarray([list(prompt) + list(output_ids)]))[0]
-  logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+  logp = _log_softmax(dense_fn('gqa')(np.asarray([list(prompt) + list(output_ids)]))[0])
   start = len(prompt) - 1
   return float(sum(logp[start + i, t] for i, t in enumerate(output_ids)))
 
@@ -96,7 +99,8 @@ def test_beam_beats_greedy_and_frees_blocks(width):
   each request's best beam scores at least greedy's under the dense model."""
   ps = prompts([37, 33, 20], seed=11)
   engine = make_engine(max_batch_size=8)  # the roomy engine of test_beams_survive_preemption
-  greedy = make_engine().generate(ps, SamplingParams(max_new_tokens=5))
+  greedy_engine = make_engine()  # one prompt at a time: the programs the tests above compiled
+  greedy = [greedy_engine.generate([p], SamplingParams(max_new_tokens=5))[0] for p in ps]
   ids = [engine.submit(p, SamplingParams(max_new_tokens=5, beam_width=width)) for p in ps]
   other = engine.submit(ps[0], SamplingParams(max_new_tokens=7))
   while engine.has_work():
