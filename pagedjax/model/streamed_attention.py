@@ -534,11 +534,16 @@ class StreamedAttention:
     group_params, stacked = self.layers(params)
     fields = pool.block_array_shapes()  # before the pool is donated
 
+    # Only the real steps' blocks are read: the padding steps (to the step bucket) are never
+    # read by a program, so their part of a buffer keeps whatever it held.
+    real = steps.num_steps * (len(steps.ids) // bucket)
+
     def start_reads(group):  # a disk store's reads run while the group before computes
       first, count = self.groups[group]
-      return [store.start_read(first + i, steps.ids,
-                               self._buffer(fields, group % 2, i, len(steps.ids)))
-              for i in range(count)]
+      buffers = [self._buffer(fields, group % 2, i, len(steps.ids)) for i in range(count)]
+      return [(store.start_read(first + i, steps.ids[:real],
+                                {name: a[:real] for name, a in buffer.items()}), buffer)
+              for i, buffer in enumerate(buffers)]
 
     def as_steps(data):  # field -> [S * B * C, ...] -> [S, B * C, ...] (a view)
       return {name: a.reshape((bucket, -1) + a.shape[1:]) for name, a in data.items()}
@@ -553,7 +558,9 @@ class StreamedAttention:
       # transfer is not enough: greedy tokens of a 7-layer model came out wrong,
       # test_layer_groups_stream_every_layer_as_the_dense_model.)
       jax.block_until_ready(used[group % 2])
-      chunks = jax.device_put(tuple(as_steps(read()) for read in pending), may_alias=True)
+      for read, _ in pending:
+        read()
+      chunks = jax.device_put(tuple(as_steps(buffer) for _, buffer in pending), may_alias=True)
       streamed += sum(a.nbytes for layer in chunks for a in layer.values())
       pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
       x, pool = _layers(cfg, stacked, group_params[group], self._layer_ids[first], x, pool,
