@@ -198,6 +198,18 @@ def paged_attention_cpu(q, k_blocks, v_blocks, block_tables, context_lens, q_pos
   layer-stacked pool [L, N, ...] (and scales), read in place. context_splits: split every
   sequence's visible blocks into that many ranges (default: the kernel picks from the thread
   count and the lengths, see choose_splits in the C++ source)."""
+  out, _ = paged_attention_cpu_lse(q, k_blocks, v_blocks, block_tables, context_lens,
+                                   q_positions, scale=scale, k_scales=k_scales,
+                                   v_scales=v_scales, layer=layer, context_splits=context_splits)
+  return out.astype(q.dtype)
+
+
+def paged_attention_cpu_lse(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, *,
+                            scale=None, k_scales=None, v_scales=None, layer=None,
+                            context_splits=None):
+  """paged_attention_cpu's output as float32, and each query row's log-sum-exp of its scaled
+  scores, lse [B, T, Hq] float32 (-inf for a row that sees nothing): what merging this span's
+  output with another's needs (model/streamed_attention.py folds host blocks this way)."""
   k_blocks, v_blocks, k_scales, v_scales, layer = contract.as_layer_stacked(
       q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales, v_scales, layer)
   splits = contract.check_context_splits(context_splits)
@@ -213,15 +225,16 @@ def paged_attention_cpu(q, k_blocks, v_blocks, block_tables, context_lens, q_pos
 def _paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, q_positions, k_scales,
                      v_scales, layer, *, scale, splits):
   """Blocks (and scales) layer-stacked; layer a [1] int32 array; splits 0: the kernel's choice.
-  Float blocks pass 1-element float32 placeholders for the scales (never read)."""
+  Float blocks pass 1-element float32 placeholders for the scales (never read).
+  -> (out [B, T, Hq, D], lse [B, T, Hq]), float32."""
   if k_scales is None:
     k_scales = v_scales = jnp.zeros((1,), jnp.float32)
   # Under vmap (nothing in pagedjax vmaps attention) the call runs once per batch element.
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+  call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                                   jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32)),
                           vmap_method='sequential')
-  out = call(q.astype(jnp.float32), k_blocks, v_blocks, k_scales, v_scales, block_tables,
-             context_lens, q_positions, layer, scale=np.float32(scale), splits=np.int64(splits))
-  return out.astype(q.dtype)
+  return call(q.astype(jnp.float32), k_blocks, v_blocks, k_scales, v_scales, block_tables,
+              context_lens, q_positions, layer, scale=np.float32(scale), splits=np.int64(splits))
 
 
 def main():

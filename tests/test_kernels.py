@@ -685,6 +685,50 @@ def test_cpu_register_widening_in_tiles_of_one_and_two_rows(kv_dtype):
     assert_close(run('cpu', poison(args, np.nan)), want, jnp.float32)
 
 
+def oracle_lse(args):
+  """float64 log-sum-exp of each query row's scaled scores over what it sees (-inf: nothing)."""
+  f64 = lambda name: f32(args[name]).astype(np.float64)
+  layer = args['layer']
+  k = f64('k_blocks') if layer is None else f64('k_blocks')[layer]
+  if 'k_scales' in args:
+    k = k * (f64('k_scales') if layer is None else f64('k_scales')[layer])[..., None]
+  q, tables = f64('q'), np.asarray(args['block_tables'])
+  lens, positions = np.asarray(args['context_lens']), np.asarray(args['q_positions'])
+  batch, num_q, num_heads, head_dim = q.shape
+  scale = head_dim ** -0.5 if args['scale'] is None else args['scale']
+  group, bs = num_heads // k.shape[1], k.shape[2]
+  lse = np.full((batch, num_q, num_heads), -np.inf)
+  for b in range(batch):
+    for t in range(num_q):
+      slots = np.arange(min(positions[b, t] + 1, lens[b]))
+      for h in range(num_heads if slots.size else 0):
+        s = k[tables[b, slots // bs], h // group, slots % bs] @ q[b, t, h] * scale
+        lse[b, t, h] = s.max() + np.log(np.exp(s - s.max()).sum())
+  return lse
+
+
+@pytest.mark.parametrize('name', ['prefill_f32_bs8_g3_stacked', 'split3_prefill_int8_stacked',
+                                  'one_sequence_mha_default_splits'])
+def test_cpu_log_sum_exp_matches_the_oracle(name):
+  """The kernel's second result, each query row's log-sum-exp (the streamed path merges spans
+  with it), at one split, at the case's own and at more splits than blocks; a padded query
+  (seeing nothing) gets -inf. Its output is the oracle's as in every other call."""
+  require_cpu_kernel()
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
+  args, want = case(name)
+  want_lse = oracle_lse(args)
+  kwargs = {n: args[n] for n in ('k_scales', 'v_scales') if n in args}
+  if args['layer'] is not None:
+    kwargs['layer'] = jnp.int32(args['layer'])
+  for splits in (1, args['splits'], 9):
+    out, lse = cpu.paged_attention_cpu_lse(*[args[n] for n in ARG_NAMES], scale=args['scale'],
+                                           context_splits=splits, **kwargs)
+    assert_close(out, want, jnp.float32)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+    np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-5, rtol=1e-6)
+
+
 def test_cpu_refuses_block_ids_and_layers_outside_the_pool():
   """The kernel checks every block id it would read, and the (traced) layer, against the pool,
   and fails the call naming them, rather than reading outside the pool."""

@@ -9,7 +9,9 @@
 //   v_scales     blocks a 1-element float32 placeholder that is never read
 //   block_tables [B, MB] int32; context_lens [B] int32; q_positions [B, T] int32
 //   layer        [1] int32 (a buffer, so the model's layer scan can pass a traced index)
-// Result: out [B, T, Hq, D] float32. Attributes: scale (f32, the softmax scale), splits (i64:
+// Results: out [B, T, Hq, D] float32, and lse [B, T, Hq] float32, each query row's log-sum-exp of
+// its scaled scores (m + log l; -inf for a row that saw nothing), with which the streamed path
+// merges this output with others over disjoint spans (model/streamed_attention.py). Attributes: scale (f32, the softmax scale), splits (i64:
 // context splits per sequence; 0 picks them from the thread count, see choose_splits).
 //
 // Work: one task per (sequence, KV head, split), handed out over XLA's intra-op thread pool
@@ -49,6 +51,7 @@ struct Problem {
   const int32_t* context_lens;
   const int32_t* q_positions;
   float* out;
+  float* lse;       // [B, T, Hq]
   float* part_acc;  // [B, Hkv, S, R, D]  (splits > 1 only)
   float* part_m;    // [B, Hkv, S, R]
   float* part_l;    // [B, Hkv, S, R]
@@ -126,7 +129,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
                           ffi::AnyBuffer v, ffi::AnyBuffer k_scales, ffi::AnyBuffer v_scales,
                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
                           ffi::Buffer<ffi::S32> q_positions, ffi::Buffer<ffi::S32> layer,
-                          ffi::ResultBuffer<ffi::F32> out, float scale, int64_t splits) {
+                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
+                          float scale, int64_t splits) {
   const auto qd = q.dimensions(), kd = k.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || td.size() != 2 || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: q must be [B, T, Hq, D], k/v "
@@ -172,6 +176,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   P.context_lens = context_lens.typed_data();
   P.q_positions = q_positions.typed_data();
   P.out = out->typed_data();
+  P.lse = lse->typed_data();
+  if (lse->element_count() != size_t(qd[0] * qd[1] * qd[2])) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: lse must be [B, T, Hq]");
+  }
 
   // The blocks any query sees, checked against the pool before a task reads one.
   int max_seen = 0;
@@ -238,6 +246,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, pagedjax_cpu::PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // q_positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("splits"));
 
