@@ -160,7 +160,8 @@ class Engine:
     self.executor.offload = offload
     self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
                                                off.chunk_blocks, self.executor.token_buckets,
-                                               self.executor.batch_buckets, off.layers_per_call)
+                                               self.executor.batch_buckets, off.layers_per_call,
+                                               config.attention.impl)
     return offload
 
   @property

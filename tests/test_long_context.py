@@ -357,10 +357,11 @@ def test_bad_offload_config_is_refused(changes, message):
 
 
 def _stream_one_layer(cfg, lp, pool, x, start, count, host_blocks, window_blocks, chunk_blocks,
-                      lane):
+                      lane, native=False):
   """Layer 0's attention for one row of x [1, T, D] (count tokens at start.., the rest
   padding) through the streamed path: its window's state, then its host blocks (physical
-  blocks of the same pool here) folded in chunks. -> (attention output [T, Hq, Dh], pool)."""
+  blocks of the same pool here) folded in chunks; native: both through the native CPU kernel
+  (sa.native_layer_attention) instead. -> (attention output [T, Hq, Dh], pool)."""
   bs = pool.block_size
   streamed = sa.StreamedAttention(cfg, bs, len(window_blocks), chunk_blocks, [x.shape[1]])
   row = sa.StreamedRow([0] * count, start, host_blocks, window_blocks, 0.0, 0, 1.0, 0, 0, lane)
@@ -372,11 +373,60 @@ def _stream_one_layer(cfg, lp, pool, x, start, count, host_blocks, window_blocks
   @jax.jit
   def attend(pool, x, chunks):
     q, k, v = llama.layer_qkv(cfg, lp, x, inputs.positions)
+    if native:
+      return sa.native_layer_attention(pool, np.int32(0), q, k, v, inputs, chunks)
     return sa.layer_attention(pool, np.int32(0), q, k, v, inputs, chunks, steps.positions,
                               steps.num_steps)
 
-  pool, state = attend(pool, x, chunks)
-  return sa.normalise(jax.tree_util.tree_map(lambda a: a[0], state), cfg.num_heads), pool
+  pool, out = attend(pool, x, chunks)
+  if native:
+    return out[0], pool
+  return sa.normalise(jax.tree_util.tree_map(lambda a: a[0], out), cfg.num_heads), pool
+
+
+@pytest.mark.parametrize('kv_dtype', ['float32', 'int8'])
+def test_the_native_kernel_reads_the_window_and_the_host_blocks_as_the_all_device_step(
+    kv_dtype):
+  """Where the engine's attention is the native CPU kernel, a pool it reads natively streams
+  through it too (sa.native_layer_attention: the window read in place, every host block in one
+  call, the two merged by their log-sum-exp), not through the fold: one layer, a prompt chunk
+  (a padded query among them) and then a decode over 5 host blocks and a window of 3, against
+  the all-device step on the same kernel (within 1e-5) and leaving the pool as it does, bit
+  for bit. The engine takes this path on a CPU (the long_context study's `:tiny` run checks its
+  tokens end to end, tests/test_study_smoke.py); the fold is what every other backend runs."""
+  from pagedjax.kernels import cpu  # pylint: disable=import-outside-toplevel
+  if not cpu.available():
+    pytest.skip(f'the native CPU kernel is unavailable: {cpu.unavailable_reason()}')
+  cfg, params, _ = tiny('gqa')
+  lp = llama.per_layer_params(params)['params']['layer_0']
+  bs, num_tokens, table = 8, 16, list(range(1, 11))
+  spec = KVQuantConfig(kv_dtype)
+  pool = pool_lib.init_pool(cfg.num_layers, 12, cfg.num_kv_heads, bs, cfg.head_dim,
+                            kv_quant=spec)
+  assert pool.scheme.kernel_native
+  rng = np.random.default_rng(1)
+  inputs = lambda start, count: build_step_inputs([RowSpec([0] * count, start, table)], bs, [1],
+                                                  [num_tokens], [len(table)])
+
+  @jax.jit
+  def all_device(pool, x, batch):
+    q, k, v = llama.layer_qkv(cfg, lp, x, batch.positions)
+    return pool_lib.write_and_attend(pool, 0, q, k, v, batch.positions, batch, 'cpu')
+
+  x_of = lambda: rng.normal(size=(1, num_tokens, cfg.d_model)).astype(np.float32)
+  for start in (0, 16, 32):  # the history, 48 tokens
+    pool = all_device(pool, x_of(), inputs(start, 16))[1]
+  for start, count in ((48, 13), (61, 1)):  # blocks 0..4 on the host, the window 5..7
+    x = x_of()
+    x[:, count:] = 0.0
+    want, want_pool = all_device(pool, x, inputs(start, count))
+    got, got_pool = _stream_one_layer(cfg, lp, pool, x, start, count, table[:5], table[5:8],
+                                      2, 0, native=True)
+    np.testing.assert_allclose(np.asarray(got)[:count], np.asarray(want)[0, :count],
+                               atol=1e-5, rtol=1e-5)
+    for name, a in want_pool.block_arrays().items():
+      assert np.asarray(getattr(got_pool, name))[:, 1:].tobytes() == np.asarray(a)[:, 1:].tobytes()
+    pool = want_pool
 
 
 def test_a_recent_window_over_host_blocks_reads_what_the_all_device_step_reads():
@@ -493,3 +543,4 @@ def test_streamed_attention_matches_dense_attention():
   for got in three_ways([window] + chunks):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.asarray(got)[3].any()  # the padded query sees nothing: zeros
+

@@ -38,6 +38,10 @@ together, B of them padded to a row bucket (the engine's powers of two up to max
                step i's chunks dequantized as the pool would, merged into each row's running
                state (online softmax)
       end      normalise, o_proj, residual, MLP
+    Where the engine's attention is the native CPU kernel (config.attention.impl 'cpu', or
+    'auto' on a CPU where it builds) and the pool is one it reads natively (float, int8, fp8
+    codes), begin's window state and the fold are two calls of that kernel instead, merged by
+    their log-sum-exp (`native_layer_attention`): the same kernel as the all-device step.
   finish       each row's last real token; final norm, logits and the engine's own sampler
                (device/sampling.py: greedy, temperature, top-k, top-p, per-row seeds); with a
                beam row in the batch, also every row's top-K ids and log-probs, as the
@@ -56,7 +60,8 @@ S steps (two groups while the next one is transferred): one layer's by default, 
 keeps offload worth having on an accelerator; layers_per_call >= L holds every layer's (fewest
 calls, for a CPU, where calls cost more than memory). The store's reads of a group are started
 while the group before computes (`OffloadStore.start_read`: a disk placement reads
-asynchronously).
+asynchronously). On a CPU device the reads go into reused, 64-byte-aligned host buffers that the
+programs take as they are, with no copy and no device_put (`aligned_empty`).
 
 The weights are the engine's: on one CPU device each layer's params are views of the stacked
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
@@ -78,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pagedjax import kernels
 from pagedjax.kernels import contract
 from pagedjax.device import pool as pool_lib
 from pagedjax.device import traces
@@ -306,28 +312,71 @@ def layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax
   return pool, jax.lax.fori_loop(0, num_steps, step, state)
 
 
+def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array]):
+  """layer_attention through the native CPU kernel (kernels/cpu.py), for pools it reads
+  natively (KVScheme.kernel_native): the rows' new K/V written into the pool, then two kernel
+  calls, each returning its output with every query row's log-sum-exp (lse), merged as two
+  disjoint spans' softmaxes:
+    window  the pool's blocks of each row's window read in place through window_table, at
+            positions relative to the window's start (it starts on a block);
+    host    every fold step's chunks at once as a one-layer pool of S * B * C blocks, row b's
+            host blocks in order through a static table (step i, chunk c -> i * B * C + b * C
+            + c), and window_start (the host tokens) as its context: every query sees them all,
+            the steps past the real ones (padding to S) never, nor a padding row anything.
+  -> (pool, attention output [B, T, Hq, Dh] float32). The same arithmetic as the all-device
+  step's kernel, over the same blocks, in two spans."""
+  from pagedjax.kernels import cpu as native  # pylint: disable=import-outside-toplevel
+  pool = pool_lib.write_kv(pool, layer, k, v, _Slots(rows.slots))
+  start = rows.window_start
+  in_window = jnp.where(rows.positions >= 0, rows.positions - start[:, None], -1)
+  window_len = jnp.maximum(jnp.max(rows.positions, axis=1) + 1 - start, 0)
+  out_w, lse_w = native.paged_attention_cpu_lse(
+      q, pool.k, pool.v, rows.window_table, window_len, in_window, k_scales=pool.k_scale,
+      v_scales=pool.v_scale, layer=layer)
+  steps, num_rows, chunk_blocks = (chunks['k'].shape[0], rows.positions.shape[0],
+                                   chunks['k'].shape[1] // rows.positions.shape[0])
+  host = {name: a.reshape((1, -1) + a.shape[2:]) for name, a in chunks.items()}
+  table = (jnp.arange(steps)[None, :, None] * (num_rows * chunk_blocks) +
+           jnp.arange(num_rows)[:, None, None] * chunk_blocks +
+           jnp.arange(chunk_blocks)[None, None, :]).reshape(num_rows, -1).astype(jnp.int32)
+  out_h, lse_h = native.paged_attention_cpu_lse(
+      q, host['k'], host['v'], table, start, rows.positions, k_scales=host.get('k_scale'),
+      v_scales=host.get('v_scale'), layer=0)
+  m = jnp.maximum(lse_w, lse_h)
+  shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: both weights 0
+  w_w, w_h = jnp.exp(lse_w - shift), jnp.exp(lse_h - shift)
+  total = w_w + w_h
+  out = (out_w * w_w[..., None] + out_h * w_h[..., None]) / jnp.where(total > 0, total,
+                                                                         1.0)[..., None]
+  return pool, out
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def _embed(cfg, params, tokens):
   traces.record()  # trace time only
   return llama.embed_tokens(cfg, params, tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _layers(cfg, stacked, lps, first, x, pool, rows: RowInputs, chunks, chunk_positions,
-            num_steps):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(6,))
+def _layers(cfg, stacked, native, lps, first, x, pool, rows: RowInputs, chunks,
+            chunk_positions, num_steps):
   """x [B, T, D] through the layers first, first + 1, .. (one per entry of chunks, that layer's
   fold steps as `layer_attention` takes them): q/k/v, attention over the window and the host
   blocks, o_proj, residual, MLP. lps: the stacked layer params (stacked) or each layer's own.
+  native: attention through the native CPU kernel (native_layer_attention), else the fold.
   -> (x, pool); the pool is donated (written in place)."""
   traces.record()
   for i, layer_chunks in enumerate(chunks):
     layer = first + i
     lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
     q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions)
-    pool, state = layer_attention(pool, layer, q, k, v, rows, layer_chunks, chunk_positions,
-                                  num_steps)
-    attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state).astype(x.dtype)
-    x = llama.layer_output(cfg, lp, x, attn)
+    if native:
+      pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks)
+    else:
+      pool, state = layer_attention(pool, layer, q, k, v, rows, layer_chunks, chunk_positions,
+                                    num_steps)
+      attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state)
+    x = llama.layer_output(cfg, lp, x, attn.astype(x.dtype))
   return x, pool
 
 
@@ -421,8 +470,12 @@ class StreamedAttention:
   layer programs called, fold steps run and padding steps (to the step bucket) transferred."""
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
-               chunk_blocks: int, token_buckets, row_buckets=(1,), layers_per_call: int = 1):
+               chunk_blocks: int, token_buckets, row_buckets=(1,), layers_per_call: int = 1,
+               attention_impl: str = 'auto'):
     self.cfg, self.block_size = cfg, block_size
+    # The engine's attention path (config.attention.impl): where it is the native CPU kernel,
+    # pools that kernel reads natively are attended through it here too (native_layer_attention).
+    self.native = (attention_impl if attention_impl != 'auto' else kernels.best_impl()) == 'cpu'
     self.window_blocks, self.chunk_blocks = window_blocks, chunk_blocks
     self.token_buckets, self.row_buckets = sorted(token_buckets), sorted(row_buckets)
     per_call = min(layers_per_call, cfg.num_layers)
@@ -430,6 +483,9 @@ class StreamedAttention:
     self.groups = [(first, min(per_call, cfg.num_layers - first))
                    for first in range(0, cfg.num_layers, per_call)]
     self._layers = None  # (params, [each group's layer params], stacked), for the last params
+    # On a CPU device the programs take the host buffers themselves, aligned (aligned_empty),
+    # without a copy or a device_put (which costs more than the call on this CPU).
+    self._host_is_device = jax.default_backend() == 'cpu'
     self._layer_ids = [np.int32(i) for i in range(cfg.num_layers)]
     self._buffers = {}  # (layer of a group, blocks) -> field -> host array: what reads fill
     self.counters = collections.Counter()
@@ -533,6 +589,7 @@ class StreamedAttention:
     self.counters['padding_steps'] += cfg.num_layers * (bucket - steps.num_steps)
     group_params, stacked = self.layers(params)
     fields = pool.block_array_shapes()  # before the pool is donated
+    native = self.native and pool.scheme.kernel_native
 
     # Only the real steps' blocks are read: the padding steps (to the step bucket) are never
     # read by a program, so their part of a buffer keeps whatever it held.
@@ -560,11 +617,13 @@ class StreamedAttention:
       jax.block_until_ready(used[group % 2])
       for read, _ in pending:
         read()
-      chunks = jax.device_put(tuple(as_steps(buffer) for _, buffer in pending), may_alias=True)
+      chunks = tuple(as_steps(buffer) for _, buffer in pending)
+      if not self._host_is_device:  # (a CPU program takes the host arrays as they are)
+        chunks = jax.device_put(chunks)
       streamed += sum(a.nbytes for layer in chunks for a in layer.values())
       pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
-      x, pool = _layers(cfg, stacked, group_params[group], self._layer_ids[first], x, pool,
-                        inputs, chunks, step_positions, num_steps)
+      x, pool = _layers(cfg, stacked, native, group_params[group], self._layer_ids[first], x,
+                        pool, inputs, chunks, step_positions, num_steps)
       used[group % 2] = x
     index = np.zeros(num_rows, np.int32)  # each row's last real token (padding rows: 0)
     index[:len(rows)] = [len(r.tokens) - 1 for r in rows]
