@@ -31,8 +31,10 @@ def get_config(arg=None):
   config.title = 'GQA: KV heads of a random SmolLM2-135M-shaped model (CPU)'
   if arg == 'tiny':
     config.title = 'GQA: KV heads of a tiny random Llama (CPU)'
+    # A byte vocabulary (256): the default random model's 49,152-word head is most of a tiny
+    # step, and no tokenizer is built.
     config.model.random.update(dict(d_model=64, num_layers=2, num_heads=4, head_dim=16,
-                                    ffn_dim=128, max_seq_len=512))
+                                    ffn_dim=128, max_seq_len=512, vocab_size=256))
     config.engine.max_seq_len = 256
     config.pool.num_blocks = 64
     # Decode calls of the batch's 2 rows, not padded to the engine's default 8 (which also

@@ -7,9 +7,9 @@ Each point stores the pool as one kv_dtype (int4 with its options) and scores KJ
 in prefill chunks (experiments/kv_quality.py): perplexity at each context length against the same
 run with a bfloat16 pool, top-1 agreement, logit error by position, KV bytes per token (scales
 included), sequences of the longest context that fit `eval.pool_budget_mb`, decode tokens/s.
-`:tiny` runs the same pipeline on a tiny random model at two points (int8, and int4 with groups
-of 8, per-channel keys and a recent window; each scored against the bfloat16 reference): no
-quality figures.
+`:tiny` runs the same pipeline on a tiny random model (a byte vocabulary: the text is scored as
+its UTF-8 bytes) at two points (int8, and int4 with groups of 8, per-channel keys and a recent
+window; each scored against the bfloat16 reference): no quality figures.
 """
 import ml_collections
 
@@ -59,6 +59,10 @@ def get_config(arg=None):
     config.title = 'KV quantization: the pipeline on a tiny random Llama (CPU; no quality figures)'
     config.eval.update(dict(contexts=[32, 64], num_sequences=2, chunk=16, pool_budget_mb=1,
                             decode_batch=2, decode_tokens=4, decode_prompt_len=16))
+    # A byte vocabulary (256): the text is scored as its UTF-8 bytes (experiments/kv_quality.py)
+    # and no tokenizer is built; the default random model's 49,152-word head is most of a tiny
+    # step.
+    config.model.random.vocab_size = 256
     config.engine.max_seq_len = 256
     # Decode calls of the batch's 2 rows, not padded to the engine's default 8 (which also
     # runs them unrolled, programs that compile 3-4x slower): the tiny run is the pipeline.

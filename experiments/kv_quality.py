@@ -16,12 +16,21 @@ import numpy as np
 from pagedjax import factory
 from pagedjax.studies import run_info
 from pagedjax.studies import text_data
+from pagedjax.studies import workloads
 from pagedjax.device import kv_schemes
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.model.llama import init_params
 from pagedjax.studies.scoring import ChunkScorer, score
 
 _CACHE = {}  # one model per process: every point of a sweep shares it and its compiled steps
+
+
+def _byte_model(config) -> bool:
+  """A random model with a byte vocabulary (model.random.vocab_size=256, as the `:tiny`
+  variants): it reads the text's UTF-8 bytes (workloads.byte_encode), as the trace studies do,
+  and no tokenizer is built (parsing SmolLM2's takes seconds)."""
+  return config.model.source == 'random' and config.model.random.vocab_size == 256
 
 
 def _model(config):
@@ -32,20 +41,27 @@ def _model(config):
     source = (config.model.source, config.model.path)
     kept = _CACHE.get('tokenizer') if _CACHE.get('tokenizer_source') == source else None
     _CACHE.clear()
-    _CACHE[key] = factory.load_model_and_tokenizer(config, tokenizer=kept)
+    if _byte_model(config):
+      model_cfg = factory.typed(config).model.random_model_config()
+      factory.check_pool_fits(model_cfg, factory.typed(config))
+      _CACHE[key] = (model_cfg, init_params(model_cfg, seed=config.model.random.seed), None)
+    else:
+      _CACHE[key] = factory.load_model_and_tokenizer(config, tokenizer=kept)
     _CACHE['tokenizer'], _CACHE['tokenizer_source'] = _CACHE[key][2], source
   return _CACHE[key]
 
 
 def _texts(tokenizer, num_sequences: int, length: int):
-  """Equal-length token sequences from spread-out parts of the KJV (deterministic)."""
+  """Equal-length token sequences from spread-out parts of the KJV (deterministic): the
+  tokenizer's ids, or the text's UTF-8 bytes without one (a byte-vocabulary model)."""
+  encode = tokenizer.encode if tokenizer is not None else workloads.byte_encode
   verses = text_data.kjv_verses()
   stride = len(verses) // num_sequences
   sequences = []
   for i in range(num_sequences):
     ids, v = [], i * stride
     while len(ids) < length:
-      ids += tokenizer.encode(' '.join(verses[v:v + 50]) + ' ')
+      ids += encode(' '.join(verses[v:v + 50]) + ' ')
       v += 50
     sequences.append(ids[:length])
   return sequences
