@@ -544,3 +544,18 @@ def test_streamed_attention_matches_dense_attention():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.asarray(got)[3].any()  # the padded query sees nothing: zeros
 
+
+
+def test_read_buffers_are_aligned_so_the_cpu_device_takes_them_in_place():
+  """The streamed path's host buffers (sa.aligned_empty) start on a 64-byte boundary, whatever
+  numpy's allocator gives (16 bytes for large arrays), and on a CPU device a transfer of one
+  aliases it rather than copying it: what keeps a streamed decode step off a copy of every
+  host block it reads."""
+  for shape, dtype in (((64, 3, 16, 64), np.float32), ((7, 2, 8, 12), np.int8),
+                       ((5, 2, 8), np.float16)):
+    a = sa.aligned_empty(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+    assert a.ctypes.data % sa.BUFFER_ALIGN == 0
+  if jax.default_backend() == 'cpu':
+    a = sa.aligned_empty((64, 3, 16, 64), np.float32)
+    assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data
