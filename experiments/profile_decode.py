@@ -312,12 +312,8 @@ class RecordingStep:
     return getattr(self._step, name)
 
   def __call__(self, params, pool, inputs):
-    step = self._step
-    unrolled = step.runs_unrolled(inputs)
-    # pylint: disable=protected-access
-    fn = step._jitted_unrolled if unrolled else step._jitted
-    args = (step._per_layer(params) if unrolled else params, pool, inputs)
-    # pylint: enable=protected-access
+    unrolled = self._step.runs_unrolled(inputs)
+    fn, args = self._step.program_for(params, pool, inputs)
     abstract = jax.tree.map(_abstract, args)
     key = (unrolled, jax.tree.structure(abstract), tuple(
         (a.shape, str(a.dtype), str(a.sharding)) for a in jax.tree.leaves(abstract)))

@@ -154,7 +154,15 @@ class CompiledStep:
     return (self.unrolled_min_rows is not None and tokens == 1
             and rows >= self.unrolled_min_rows)
 
-  def __call__(self, params, pool, inputs):
+  def program_for(self, params, pool, inputs) -> tuple:
+    """(the jitted program a call with these arguments runs, the arguments it takes): the
+    unrolled program with the per-layer params for a decode call of enough rows, else the
+    scanned one. What __call__ runs; a caller that lowers or compiles the program itself
+    (experiments/profile_decode.py) asks here."""
     if self.runs_unrolled(inputs):
-      return self._jitted_unrolled(self._per_layer(params), pool, inputs)
-    return self._jitted(params, pool, inputs)
+      return self._jitted_unrolled, (self._per_layer(params), pool, inputs)
+    return self._jitted, (params, pool, inputs)
+
+  def __call__(self, params, pool, inputs):
+    program, args = self.program_for(params, pool, inputs)
+    return program(*args)
