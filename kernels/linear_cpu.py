@@ -211,6 +211,9 @@ def linear(x, w, *, transposed=False, impl='cpu'):
   (pack) runs the kernel at any row count whatever impl, or XLA's dot of it unpacked for non-float32
   x."""
   if isinstance(w, Packed):
+    if transposed:  # a Packed kernel is [K, N]: pack(w, transposed=True) packs the transpose
+      raise ValueError(f'linear: a Packed w {w.shape} is [K, N] already; transposed=True is '
+                       'not allowed with it')
     return kernel(x, w) if runs_kernel(x, w) else jnp.dot(x, w.unpack().astype(x.dtype))
   impl = resolve(impl)
   if impl == 'xla' or not runs_kernel(x, w):

@@ -171,6 +171,8 @@ def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
                                 np.asarray(in_place(x, np.ascontiguousarray(e.T))))
   with pytest.raises(ValueError, match='packed w'):
     linear_cpu.kernel(jnp.ones((2, 36)), p)
+  with pytest.raises(ValueError, match='transposed=True is not allowed'):
+    linear_cpu.linear(jnp.ones((2, 64)), p, transposed=True)
   with pytest.raises(ValueError, match='2-D float32'):
     linear_cpu.pack(jnp.ones((4, 8), jnp.bfloat16))
 

@@ -98,7 +98,11 @@ def dense_group(x, features, names, dtype, linear_impl: str, use_bias: bool = Fa
 
 def tied_logits(x, embedding, linear_impl: str):
   """The tied head x [..., D] @ embedding.T (nn.Embed.attend for float32 x and embedding [V, D])
-  through linear_impl: the kernel reads the embedding in place as the transposed operand."""
+  through linear_impl: the kernel reads the embedding in place as the transposed operand. A
+  linear_cpu.Packed `embedding` is that transpose already packed ([D, V], per_layer_params
+  with pack=True): the kernel reads its strips."""
+  if isinstance(embedding, linear_cpu.Packed):
+    return linear_cpu.linear(x, embedding)
   if linear_cpu.resolve(linear_impl) in linear_cpu.KERNEL_IMPLS and linear_cpu.runs_kernel(
       x, embedding):
     return linear_cpu.linear(x, embedding, transposed=True)
