@@ -63,7 +63,7 @@ from pagedjax import factory
 from pagedjax.studies import run_info
 from pagedjax.studies import text_data
 from pagedjax.config import Config, ConfigError
-from pagedjax.model.llama import LINEAR_IMPLS
+from pagedjax.model.llama import LINEAR_IMPLS, PROJECTIONS
 from pagedjax.model.step import DECODE_LAYERS, CompiledStep
 from pagedjax.host.requests.sampling_params import SamplingParams
 
@@ -221,9 +221,7 @@ def matmul_floor_fn(model_cfg, params, batch: int, linear_impl: str = 'xla'):
   (measured: 51 ms per 1-row floor call against 26 ms for the whole plain step)."""
   p = params['params']
   lay = p['layers']
-  names = [('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj'), ('attn', 'o_proj'),
-           ('mlp', 'gate_proj'), ('mlp', 'up_proj'), ('mlp', 'down_proj')]
-  per_layer = [[jnp.array(lay[a][n]['kernel'][i]) for a, n in names]
+  per_layer = [[jnp.array(lay[a][n]['kernel'][i]) for a, n in PROJECTIONS]
                for i in range(model_cfg.num_layers)]
   kernel = linear_cpu.resolve(linear_impl) in linear_cpu.KERNEL_IMPLS
   mm = (lambda a, w: linear_cpu.linear(a, w)) if kernel else jnp.dot

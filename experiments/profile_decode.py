@@ -73,6 +73,7 @@ from pagedjax import factory
 from pagedjax.config import Config, ConfigError
 from pagedjax.kernels import cpu as attention_cpu
 from pagedjax.kernels import linear_cpu
+from pagedjax.model.llama import PROJECTIONS
 from pagedjax.model.step import DECODE_LAYERS, CompiledStep
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.studies import run_info
@@ -371,8 +372,7 @@ def copy_bandwidth(megabytes: float, repeats: int = 3) -> float:
 
 # A projection by its JAX name (.../layer_3/mlp/up_proj/...) or, where XLA dropped the name (its
 # 1-row dots), by its weight operand (%params__params____layer_3____mlp____up_proj____kernel__).
-PROJECTION = re.compile(
-    r'(?<![a-z])(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)(?![a-z])')
+PROJECTION = re.compile(r'(?<![a-z])(' + '|'.join(n for _, n in PROJECTIONS) + r')(?![a-z])')
 
 
 def projection_floats(model_cfg) -> dict:

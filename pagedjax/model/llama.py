@@ -33,6 +33,9 @@ from pagedjax.model import sharding
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 LAYER_LOOPS = ('scan', 'unrolled')  # Llama.layer_loop
 LINEAR_IMPLS = linear_cpu.LINEAR_IMPLS  # Llama.linear_impl
+# Every decoder layer's Dense projections, as (module, name) in its params tree, in call order.
+PROJECTIONS = (('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj'), ('attn', 'o_proj'),
+               ('mlp', 'gate_proj'), ('mlp', 'up_proj'), ('mlp', 'down_proj'))
 
 
 @dataclasses.dataclass(frozen=True)
