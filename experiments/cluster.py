@@ -302,6 +302,12 @@ def run_router(config, row, requests, shared_store: bool = False,
   return overall, stages, replicas, cluster
 
 
+def _figure(value) -> str:
+  """A figure for the progress lines: 3 decimals, or 'n/a' where there was nothing to measure
+  (a hit rate of a run that computed no prompt tokens, a TTFT of no finished request)."""
+  return 'n/a' if value is None else f'{value:.3f}'
+
+
 def routing_cost(config, row, requests, shared_store: bool = False) -> dict:
   """Per-request decision time over routing_replicas replicas whose index holds each tenant's
   prefix blocks (as KV events would have announced them) on routing_copies replicas; for a
@@ -461,7 +467,7 @@ def mooncake_rows(config, requests) -> list:
                    **routing_cost(config, row, requests, shared))
     rows.append(overall)
     print(f"{row[0]:>12} ({overall['cache']:>6}): hit rate "
-          f"{overall['hit_rate_with_store_tokens']:.3f}, prefill compute "
+          f"{_figure(overall['hit_rate_with_store_tokens'])}, prefill compute "
           f"{overall['prefill_compute_s']:.0f} s, routing p99 {overall['routing_p99_ms']:.3f} ms "
           f"at {overall['routing_replicas']} replicas; simulated in "
           f"{overall['simulator_wall_s']:.0f} s", flush=True)
@@ -617,8 +623,9 @@ def study(config, workdir: str) -> dict:
     overall.append(o)
     stages += s
     replicas += r
-    print(f"{o['router']:>12}: TTFT p90 {o['ttft_p90_s']:.3f} s, hit rate "
-          f"{o['prefix_hit_rate_tokens']:.3f} device, {o['hit_rate_tier2_tokens']:.3f} host, "
+    print(f"{o['router']:>12}: TTFT p90 {_figure(o['ttft_p90_s'])} s, hit rate "
+          f"{_figure(o['prefix_hit_rate_tokens'])} device, "
+          f"{_figure(o['hit_rate_tier2_tokens'])} host, "
           f"routing p99 {o['routing_p99_ms']:.3f} ms at "
           f"{o['routing_replicas']} replicas; simulated in {o['simulator_wall_s']:.0f} s",
           flush=True)

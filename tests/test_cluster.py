@@ -252,3 +252,9 @@ def test_a_store_hit_is_loaded_not_computed_and_its_ttft_pays_the_load():
   assert second.ttft_s < first.ttft_s  # loading 12 blocks beats computing them here
   with pytest.raises(ValueError, match='shared_store_blocks=64 needs costs'):
     SimulatedCluster(engines, routers.make_router('round_robin'), shared_store_blocks=64)
+
+
+def test_progress_figures_of_nothing_measured_read_n_a():
+  """A run that computed no prompt tokens has no hit rate (None): its progress line says n/a
+  instead of failing to format it."""
+  assert study_lib._figure(None) == 'n/a' and study_lib._figure(0.4567) == '0.457'  # pylint: disable=protected-access
