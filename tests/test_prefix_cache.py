@@ -13,6 +13,9 @@ from pagedjax.host.cache import prefix_cache
 from pagedjax.host.cache.prefix_cache import PrefixCache, block_content, chain_keys, make_prefix_cache
 from pagedjax.host.cache.radix_cache import RadixCache
 from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling import offload_index
+from pagedjax.host.scheduling.offload_index import OffloadIndex
+from pagedjax.host.scheduling.offload_store import OffloadIds
 
 from fakes import check_blocks
 from tiny_models import make_engine, prompts
@@ -90,6 +93,42 @@ def test_hash_collisions_miss_instead_of_sharing(monkeypatch):
   assert cache.match(_Seq([1, 2, 3, 4], []), 2) == seq.block_table[:1]
   assert cache.match(_Seq([5, 6, 3, 4], []), 2) == []  # same key, other tokens
   assert cache.match(_Seq([1, 2], [], salt='x'), 1) == []  # same key and tokens, other salt
+
+
+def test_the_offload_index_holds_its_blocks_and_evicts_only_idle_ones():
+  """Offloaded blocks (host/scheduling/offload_index.py): the index holds a reference on each,
+  a block only it holds is idle (free room), a hit takes it back, eviction takes the policy's
+  idle victim (deepest first: sequences release tail first) and frees its id."""
+  ids = OffloadIds(4, 0, 'host')
+  index = OffloadIndex(ids, 2, 'lru')
+  seq = _Seq([1, 2, 3, 4, 5, 6, 7], [])
+  blocks = ids.allocate(3)
+  for logical, block in enumerate(blocks):
+    assert index.store(seq, logical, block)
+  assert not index.store(seq, 0, 4)  # its prefix is indexed already
+  assert [ids.ref_count(b) for b in blocks] == [2, 2, 2] and index.num_idle == 0
+  ids.free(blocks)
+  index.released(blocks[::-1])
+  assert index.num_idle == 3 and ids.num_free == 1
+  again = _Seq([1, 2, 3, 4, 9, 9], [])
+  hits = index.match(again, 3)
+  assert hits == blocks[:2] and index.match(_Seq([1, 2, 3, 4], [], salt='x'), 2) == []
+  index.take(hits)
+  assert index.num_idle == 1 and index.evict() == blocks[2] and index.evict() is None
+  assert ids.num_free == 2 and index.match(seq, 3) == blocks[:2] and len(index) == 2
+
+
+def test_offload_index_collisions_miss_instead_of_sharing(monkeypatch):
+  """Every key collides: a hit on an offloaded block still needs the same tokens and parent."""
+  monkeypatch.setattr(offload_index, 'chain_keys', lambda ids, bs, n, salt=None, parent=None,
+                      start=0: [7] * (n - start))
+  ids = OffloadIds(4, 0, 'host')
+  index = OffloadIndex(ids, 2, 'lru')
+  (block,) = ids.allocate(1)
+  assert index.store(_Seq([1, 2, 3, 4], []), 0, block)
+  assert index.match(_Seq([5, 6, 3, 4], []), 1) == []
+  assert index.match(_Seq([1, 2], [], salt='x'), 1) == []
+  assert index.match(_Seq([1, 2, 3, 4], []), 2) == [block]  # the second block's key is taken
 
 
 def test_radix_keeps_one_copy_of_a_prefix_computed_twice():
