@@ -364,6 +364,13 @@ class OffloadConfig:
   # (1 = every iteration): its streamed call's time is spread over that many of its neighbours'
   # steps, at the price of its own tokens. Alone, it decodes every iteration.
   decode_every: int = 1
+  # With prefix_cache.enabled: offloaded blocks join the prefix cache (host/scheduling/
+  # offload_index.py). A block moving out of a window is indexed by its chain key, a finished
+  # sequence's window is copied out beside them, and a later offloaded prompt with the same
+  # prefix (a follow-up turn over a long document, a recomputed sequence) takes them from the
+  # store instead of prefilling them; blocks no sequence holds stay until the store needs the
+  # room, in prefix_cache.eviction's order.
+  cache_blocks: bool = True
 
   def validate(self, pool: PoolConfig, tiers: TiersConfig):
     for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1),
@@ -371,8 +378,9 @@ class OffloadConfig:
       value = getattr(self, name)
       if not _is_int(value) or value < least:
         _fail(f'offload.{name}', value, f'an integer >= {least}')
-    if not isinstance(self.instead_of_preempting, bool):
-      _fail('offload.instead_of_preempting', self.instead_of_preempting, 'True or False')
+    for name in ('instead_of_preempting', 'cache_blocks'):
+      if not isinstance(getattr(self, name), bool):
+        _fail(f'offload.{name}', getattr(self, name), 'True or False')
     if self.placement not in ('host', 'disk'):
       _fail('offload.placement', self.placement, "'host' or 'disk'")
     if not self.enabled:

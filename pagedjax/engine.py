@@ -156,8 +156,8 @@ class Engine:
       raise ValueError('config.offload.host_blocks > 0 needs the real device backend: the '
                        'streamed path has no simulated cost yet')
     offload = Offload.from_config(self.executor.pool.block_array_shapes(), self.block_manager,
-                                  off, self.max_seq_len)
-    self.executor.offload = offload
+                                  off, self.max_seq_len, config.prefix_cache)
+    self.executor.offload = self.block_manager.offload = offload
     self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
                                                off.chunk_blocks, self.executor.token_buckets,
                                                self.executor.batch_buckets, off.layers_per_call,

@@ -17,6 +17,10 @@ Sharing (either kind):
                 are taken instead of allocated, and their tokens count as cached, so prefill
                 skips them. At most num_tokens - 1 tokens are taken: the last prompt token must
                 run to give logits to sample from. Blocks that fill up are offered to the cache.
+  offloaded     a sequence that will be offloaded (a window; host/scheduling/offload.py) may
+                find its prefix among the offload store's indexed blocks instead
+                (offload_index.py): when that covers more blocks than the device cache, it
+                takes those as its leading host blocks, and their tokens count as cached.
   lower tiers   with host-RAM / disk tiers under the cache (kv_tiers.py), the lookup continues
                 past the device hits; the blocks found there that the cost model says to load
                 get fresh device blocks, filled by the executor before this iteration's steps,
@@ -55,6 +59,7 @@ class BlockManager:
           f'{allocator.num_blocks - 1}: raise num_blocks or lower max_seq_len')
     # A reservation never grows, so contiguous admission needs no headroom.
     self.watermark_blocks = watermark_blocks if kind == 'paged' else 0
+    self.offload = None  # host/scheduling/offload.Offload, when the engine offloads (it sets it)
 
   def blocks_for(self, num_tokens: int) -> int:
     return math.ceil(num_tokens / self.block_size)
@@ -107,10 +112,20 @@ class BlockManager:
     # Never the whole prompt: its last token must run to be sampled from.
     return self.cache.match(seq, (seq.num_tokens - 1) // self.block_size)
 
+  def _offloaded_hits(self, seq: Sequence, device_hits: List[int]) -> List[int]:
+    """The offload store's blocks of seq's prefix, when they cover more than device_hits."""
+    if self.offload is None:
+      return []
+    hits = self.offload.prefix_hits(seq, (seq.num_tokens - 1) // self.block_size)
+    return hits if len(hits) > len(device_hits) else []
+
   def can_allocate_waiting(self, seq: Sequence, watermark: bool = True) -> bool:
     """can_allocate for a waiting sequence, counting the blocks its cached prefix provides
-    (an evictable hit is taken out of the free space, a held one costs nothing)."""
+    (an evictable hit is taken out of the free space, a held one costs nothing; a prefix taken
+    from the offload store provides no device block)."""
     hits = self._prefix_hits(seq)
+    if self._offloaded_hits(seq, hits):
+      hits = []
     revived = sum(self.allocator.ref_count(b) == 0 for b in hits)
     headroom = self.watermark_blocks if watermark else 0
     return self.allocator.can_allocate(self._short(seq) - len(hits) + revived + headroom)
@@ -119,9 +134,15 @@ class BlockManager:
     """allocate for a waiting sequence: takes its cached prefix first (so allocating the rest
     cannot evict it), marks those tokens cached, then allocates the rest."""
     hits = self._prefix_hits(seq)
+    n = (seq.num_tokens - 1) // self.block_size
+    offloaded = self._offloaded_hits(seq, hits)
+    if offloaded:
+      self.offload.adopt(seq, offloaded)
+      self.cache.record_lookup(n, len(offloaded), seq.num_tokens)
+      seq.num_cached, seq.num_offered = len(offloaded) * self.block_size, 0
+      return self.allocate(seq)
     for b in hits:
       self.allocator.take_cached(b)
-    n = (seq.num_tokens - 1) // self.block_size
     if self.cache is not None:
       self.cache.record_lookup(n, len(hits), seq.num_tokens)
     seq.block_table = list(hits)

@@ -37,11 +37,20 @@ whichever tier holds them.)
 
 Sharing. Forks and beams share their parent's host blocks (ref counts) and device blocks (the
 block manager's copy-on-write). A beam group decodes together, each beam in up to W device
-blocks, so `refusal` asks beam_width * W to fit the pool. Prefix caching: hits at admission
-are used (those beyond W move out at the first step), and blocks that fill while a sequence
-has no host block yet are offered to the cache as usual; once a sequence has host blocks, its
-later blocks are not offered (both cache designs index a sequence's blocks from its first one,
-which is then in host RAM), and host blocks themselves are never shared between requests.
+blocks, so `refusal` asks beam_width * W to fit the pool.
+
+Prefix caching (prefix_cache.enabled with offload.cache_blocks; offload_index.py). Offloaded
+blocks join the cache: each block moving out of a window is indexed by its chain key, and when
+a sequence finishes, the full blocks its window still holds are copied out beside them
+(`keep_window`, in the next plan's offload_out), as far as the store has room no reservation
+needs. A sequence admitted with a window looks its prompt up there first: when the indexed
+prefix is longer than the device cache's, it takes those blocks as its leading host blocks
+(`adopt`: they count against its reservation) and prefills only the rest; a follow-up turn over
+a long document, or a long sequence back from a recompute, prefills only its new tokens. Blocks
+only the index holds are idle: free room for reservations, evicted in the prefix cache's
+eviction order when a block moving out finds no free one. The device caches still see an
+offloaded sequence's blocks only while it has no host block (both index a sequence's blocks
+from its first one), and an ordinary (unwindowed) request does not look in the store.
 Preemption: an offloaded sequence is never swapped; recompute frees its host blocks and, back
 in the queue, it is offloaded again on readmission (a beam group with all its beams).
 Lane state (KIVI key tails, recent-window rings; device/kv_schemes.py) stays in the sequence's
@@ -53,6 +62,7 @@ from typing import Dict, List, Optional, Sequence as Seq
 
 import numpy as np
 
+from pagedjax.host.scheduling.offload_index import OffloadIndex
 from pagedjax.host.scheduling.offload_store import OffloadStore
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.requests.sequence import Sequence
@@ -65,10 +75,18 @@ class Offload:
   def __init__(self, block_array_shapes, blocks, *, host_blocks: int, device_blocks: int,
                chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int,
                disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host',
-               decode_every: int = 1):
+               decode_every: int = 1, prefix_cache_eviction: Optional[str] = None):
+    """prefix_cache_eviction: the prefix cache's eviction policy when the engine caches
+    prefixes and offloaded blocks join them (offload.cache_blocks): their index's idle blocks
+    go in its order (offload_index.py); None = no index."""
     self.store = OffloadStore(block_array_shapes, host_blocks, disk_blocks, disk_kvstore,
                               placement)
     self.allocator = self.store.allocator  # offload block ids (both tiers) and ref counts
+    self.index = (OffloadIndex(self.allocator, blocks.block_size, prefix_cache_eviction)
+                  if prefix_cache_eviction is not None else None)
+    # (device block, host block) copies of finished windows' blocks (keep_window), for the
+    # next plan's offload_out
+    self.pending_out: List[tuple] = []
     self.blocks, self.block_size = blocks, blocks.block_size
     self.host_blocks, self.disk_blocks, self.placement = host_blocks, disk_blocks, placement
     self.capacity = host_blocks + disk_blocks
@@ -81,13 +99,17 @@ class Offload:
     self.counters = collections.Counter()
 
   @classmethod
-  def from_config(cls, block_array_shapes, blocks, off, max_seq_len: int) -> 'Offload':
-    """From config.offload (pagedjax/config.py OffloadConfig), validated."""
+  def from_config(cls, block_array_shapes, blocks, off, max_seq_len: int,
+                  prefix_cache=None) -> 'Offload':
+    """From config.offload (pagedjax/config.py OffloadConfig), validated; prefix_cache: the
+    config's PrefixCacheConfig (offloaded blocks are indexed when it and cache_blocks are on)."""
+    cached = prefix_cache is not None and prefix_cache.enabled and off.cache_blocks
     return cls(block_array_shapes, blocks, host_blocks=off.host_blocks,
                device_blocks=off.device_blocks, chunk_blocks=off.chunk_blocks,
                instead_of_preempting=off.instead_of_preempting, max_seq_len=max_seq_len,
                disk_blocks=off.disk_blocks, disk_kvstore=off.disk_kvstore,
-               placement=off.placement, decode_every=off.decode_every)
+               placement=off.placement, decode_every=off.decode_every,
+               prefix_cache_eviction=prefix_cache.eviction if cached else None)
 
   def resting(self, running: List[Sequence], iteration: int) -> List[Sequence]:
     """The offloaded sequences that sit this iteration out (`decode_every`): every one that
@@ -139,9 +161,25 @@ class Offload:
   # ---- reservations ----------------------------------------------------------------------
 
   @property
+  def _room(self) -> int:
+    """Host blocks no sequence holds: free, or idle in the prefix index (evictable)."""
+    return self.allocator.num_free + (self.index.num_idle if self.index is not None else 0)
+
+  @property
   def available(self) -> int:
-    """Host blocks neither held nor reserved."""
-    return self.allocator.num_free - sum(self._owed.values())
+    """Host blocks neither held by a sequence nor reserved."""
+    return self._room - sum(self._owed.values())
+
+  def _allocate(self) -> int:
+    """One host block for a block moving out: a free one, else the index's idle victim's."""
+    if not self.allocator.num_free:
+      victim = self.index.evict() if self.index is not None else None
+      if victim is None:  # reservations rule this out
+        raise RuntimeError(f'offload store full ({self.capacity} blocks)')
+      # a copy into it not made yet is void
+      self.pending_out = [(d, h) for d, h in self.pending_out if h != victim]
+    (host,) = self.allocator.allocate(1)
+    return host
 
   def _need_now(self, seq: Sequence) -> int:
     if seq.beam is not None:  # the whole group's, whichever beams it has now
@@ -184,12 +222,14 @@ class Offload:
     that no other beam holds go back to its group's reservation, which goes with the group's
     last beam). With the plan of this iteration, moves into blocks freed now are dropped
     (nothing will read them)."""
-    free_before = self.allocator.num_free
+    room_before = self._room
     self.allocator.free(seq.host_table)
+    if self.index is not None:  # tail first: a prefix's later blocks become idle first
+      self.index.released(seq.host_table[::-1])
     seq.host_table = []
     if seq.beam is not None and self._beams.get(seq.request_id, 0) > 1:
       self._beams[seq.request_id] -= 1
-      self._owed[seq.request_id] += self.allocator.num_free - free_before
+      self._owed[seq.request_id] += self._room - room_before
     else:
       self._owed.pop(seq.request_id, None)
       self._beams.pop(seq.request_id, None)
@@ -220,10 +260,7 @@ class Offload:
       raise RuntimeError(f'request {seq.request_id}: block {logical} is not fully written yet '
                          f'({seq.num_cached} tokens cached) and cannot move out of a window '
                          f'of {seq.window} blocks')
-    if not self.allocator.num_free:  # reservations rule this out
-      raise RuntimeError(f'offload store full ({self.capacity} blocks) moving request '
-                         f'{seq.request_id}\'s block {logical}')
-    (host,) = self.allocator.allocate(1)
+    host = self._allocate()
     owed = self._owed.get(seq.request_id, 0)
     if owed:
       self._owed[seq.request_id] = owed - 1
@@ -234,6 +271,51 @@ class Offload:
     plan.offload_out.append((device, host))
     self.blocks.allocator.free([device])  # copied out before this iteration writes anything
     self.counters['offloaded_blocks'] += 1
+    if self.index is not None:
+      self.index.store(seq, logical, host)
+
+  # ---- prefix caching over offloaded blocks (offload_index.py) ---------------------------
+
+  def take_pending(self, plan) -> None:
+    """The finished windows' copies (keep_window) not voided since (a block the index
+    evicted to make room drops its copy) go into this plan's offload_out, at the end of
+    scheduling: read before anything writes, like every move out."""
+    plan.offload_out += self.pending_out
+    self.pending_out = []
+
+  def prefix_hits(self, seq: Sequence, n: int) -> List[int]:
+    """The offload blocks of seq's longest indexed prefix among its first n full blocks: for
+    a sequence that will be offloaded (a window) and holds nothing yet; else none."""
+    if self.index is None or not seq.window or seq.host_table or seq.block_table:
+      return []
+    return self.index.match(seq, n)
+
+  def adopt(self, seq: Sequence, hits: List[int]) -> None:
+    """seq, admitted now with its reservation, takes the matched blocks as its leading host
+    blocks: they count against what it reserved (they are blocks it would have moved out)."""
+    self.index.take(hits)
+    seq.host_table = list(hits)
+    self._owed[seq.request_id] = max(0, self._owed.get(seq.request_id, 0) - len(hits))
+
+  def keep_window(self, seq: Sequence) -> None:
+    """seq finished: the full blocks its window holds on the device are copied out into
+    blocks the index keeps (as far as the store has room no reservation needs), so a later
+    prompt over its whole context finds them (the copies go in the next plan's offload_out,
+    read before anything writes; the device blocks are freed now)."""
+    if self.index is None or not seq.host_table:
+      return
+    first = len(seq.host_table)
+    for i, device in enumerate(seq.block_table[:seq.num_cached // self.block_size - first]):
+      if self.available <= 0:
+        return
+      if self.index.indexed(seq, first + i):
+        continue
+      host = self._allocate()
+      self.index.store(seq, first + i, host)
+      self.allocator.free([host])  # only the index holds it
+      self.index.released([host])
+      self.pending_out.append((device, host))
+      self.counters['kept_blocks'] += 1
 
   def relieve(self, running: Seq[Sequence], plan) -> bool:
     """instead_of_preempting: the decoding sequence that would hold the most device blocks
@@ -267,5 +349,6 @@ class Offload:
             'offload_host_blocks_used': self.allocator.used('host'),
             'offload_disk_blocks_used': self.allocator.used('disk'),
             'offload_host_bytes_read': self.store.bytes_read['host'],
-            'offload_disk_bytes_read': self.store.bytes_read['disk'], **self.counters}
+            'offload_disk_bytes_read': self.store.bytes_read['disk'],
+            **(self.index.figures() if self.index is not None else {}), **self.counters}
 

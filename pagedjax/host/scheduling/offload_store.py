@@ -18,7 +18,8 @@ capacity check against the file system's free space (or host RAM for 'memory://'
 arrays of blocks exactly as the pool stores them (codes, scales and zero points as bytes, so a
 quantized block comes back bit for bit) and asynchronous reads and writes. What differs is what
 a block is: here the only copy of a running sequence's K/V, read every step one layer at a
-time, never looked up by content, never evicted, never kept across processes. So each pool
+time, found by content only through this engine's own index (offload_index.py, which also
+decides evictions), never kept across processes. So each pool
 field is an array [layers, D + 1, bytes of one layer's block] with one chunk per (layer, block),
 under a fresh `offload-<uuid>/` directory of the kvstore that is removed when the store goes
 (engines sharing a directory never see each other's blocks), and no headers: a block is read

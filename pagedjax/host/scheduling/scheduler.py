@@ -171,6 +171,8 @@ class Scheduler:
     """seq is done (or a beam was dropped): its blocks and lane go back."""
     self.running.remove(seq)
     self.blocks.end_turn(seq, now)
+    if seq.window:  # its window's full blocks join the offloaded prefix index (offload.py)
+      self.offload.keep_window(seq)
     self.blocks.deallocate(seq)
     if seq.window:
       self.offload.release(seq)
@@ -215,6 +217,8 @@ class Scheduler:
       self._admit(plan, budget if self.running else max(budget, 1))
     self._hand_out_lanes(plan)
     self._take_tier_work(plan)
+    if self.offload is not None:
+      self.offload.take_pending(plan)
     return plan
 
   def _hand_out_lanes(self, plan: Plan) -> None:
