@@ -165,6 +165,82 @@ def test_4x_the_pool_with_beams_preempted_beside_another_long_request(offloaded,
   assert offloaded.offload.allocator.num_used == 0 and offloaded.offload.available == 70
 
 
+def test_a_follow_up_turn_over_a_long_document_hits_its_offloaded_blocks(reference):
+  # prefix_cache.enabled: a 110-token document (3.4x the pool) and its greedy answer; the
+  # blocks it moved out of its window, and at its end the full ones its window held, stay in
+  # the offload store, indexed. The follow-up turn (document, answer, a new question: 125
+  # tokens) takes all 14 of them and computes only its last 13 tokens; its two top-k samples
+  # fork from there. A second long document then needs the store's room: the idle blocks are
+  # evicted (LRU), and the first document's follow-up, asked again, finds only what is left.
+  # Every output equals the all-device engine without a cache.
+  engine = _engine(POOL_BLOCKS + 1, dataclasses.replace(OFFLOAD, host_blocks=40),
+                   prefix_caching=True)
+  doc, other = prompts([110, 230], seed=4)
+  greedy = SamplingParams(max_new_tokens=6)
+  first = _solo(engine, doc, greedy)
+  _same(first, _solo(reference, doc, greedy))
+  figures = engine.offload.figures()
+  assert figures['offload_cached_blocks'] == figures['offload_idle_blocks'] == 115 // BLOCK
+  assert engine.offload.allocator.num_used == 14 and engine.offload.available == 40
+
+  follow_up = doc + first.output_ids + prompts([9], seed=5)[0]
+  sampled = SamplingParams(max_new_tokens=5, n=2, temperature=0.9, top_k=20, seed=2)
+  before = dict(engine.stats)
+  got = engine.generate([follow_up], sampled)
+  for g, w in zip(got, reference.generate([follow_up], sampled)):
+    _same(g, w)
+  assert got[0].output_ids != got[1].output_ids
+  # 112 tokens hit: the leader prefills 12, each sample feeds the last prompt token itself
+  assert engine.stats['prompt_tokens_computed'] - before['prompt_tokens_computed'] == 12 + 2
+  assert engine.offload.figures()['offload_prefix_hit_blocks'] == 14
+
+  _same(_solo(engine, other, greedy), _solo(reference, other, greedy))  # 29 blocks moved out
+  figures = engine.offload.figures()
+  assert figures['offload_prefix_evictions'] > 0 and figures['offload_cached_blocks'] <= 40
+  assert engine.offload.allocator.num_used == figures['offload_cached_blocks']
+  before = dict(engine.stats)
+  _same(_solo(engine, follow_up, greedy), _solo(reference, follow_up, greedy))
+  computed = engine.stats['prompt_tokens_computed'] - before['prompt_tokens_computed']
+  assert 13 < computed < 125 or figures['offload_cached_blocks'] == 29  # partly evicted
+
+
+def test_a_recomputed_offloaded_sequence_takes_back_its_own_blocks(reference):
+  # A short request (10 + 12 tokens, 3 blocks at its end), then a long one (70 + 12) in a
+  # window of 2: together they fill the pool, so when the short one needs its third block the
+  # newer, long one is preempted (recompute). With prefix caching its offloaded blocks stay
+  # indexed, so on readmission it takes them back and prefills only what its window held.
+  # Tokens and logits as the all-device engine's.
+  engine = _engine(POOL_BLOCKS + 1, OFFLOAD, prefix_caching=True)
+  ps = prompts([10, 70], seed=31)
+  params = SamplingParams(max_new_tokens=12)
+  got = engine.generate(ps, params)
+  for g, p in zip(got, ps):
+    _same(g, _solo(reference, p, params))
+  assert got[1].num_preemptions >= 1 and engine.stats['preemptions'] >= 1
+  # Recomputed: at most what its window of 2 blocks held (without the index: all 72 tokens).
+  assert engine.offload.figures()['offload_prefix_hit_blocks'] > 0
+  assert 0 < engine.stats['recomputed_tokens'] <= 2 * BLOCK
+
+
+@pytest.mark.parametrize('design', ['hash', 'radix'])
+def test_offloaded_prefix_hits_for_a_quantized_pool_with_kivi_keys(design):
+  # int4 with KIVI keys (a partial block's keys in a per-lane tail): the follow-up starts at a
+  # block boundary on blocks taken from the store; greedy tokens as an all-device engine's
+  # without a cache (tests/test_scheme_identity.py: tokens do not depend on the write path).
+  spec = KVQuantConfig('int4', 6, key_per_channel=True)
+  doc, question = prompts([100], seed=41)[0], prompts([7], seed=42)[0]
+  greedy = SamplingParams(max_new_tokens=5)
+  reference = _engine(20, kv_quant=spec)
+  engine = _engine(POOL_BLOCKS + 1, OFFLOAD, kv_quant=spec, prefix_caching=True,
+                   prefix_cache_design=design)
+  first = _solo(engine, doc, greedy)
+  assert first.output_ids == _solo(reference, doc, greedy).output_ids
+  follow_up = doc + first.output_ids + question
+  assert (_solo(engine, follow_up, greedy).output_ids ==
+          _solo(reference, follow_up, greedy).output_ids)
+  assert engine.offload.figures()['offload_prefix_hit_blocks'] == 104 // BLOCK
+
+
 def test_a_warm_engine_compiles_nothing_more(offloaded):
   offloaded.generate(prompts([45], seed=6), SamplingParams(max_new_tokens=3))  # warm already
   before = offloaded.num_compilations
@@ -344,6 +420,7 @@ def test_refused_beyond_host_ram_and_for_beams(offloaded):
     (dict(chunk_blocks=0), r'offload.chunk_blocks=0 is not allowed: an integer >= 1'),
     (dict(host_blocks=-1), r'offload.host_blocks=-1 is not allowed'),
     (dict(instead_of_preempting=1), r'offload.instead_of_preempting=1 is not allowed'),
+    (dict(cache_blocks='yes'), r"offload.cache_blocks='yes' is not allowed: True or False"),
     (dict(placement='nvme'), r"offload.placement='nvme' is not allowed: 'host' or 'disk'"),
     (dict(disk_blocks=4), r"offload.disk_kvstore='' is not allowed: a directory or"),
     (dict(placement='disk'), r"offload.placement='disk' is not allowed: 'host' when "
