@@ -19,6 +19,8 @@ block): 16 x 16 = 256 tokens here. The prompt is KJV text cut so that prompt + m
   - `beside_requests` ordinary requests, timed alone and beside the long one (window
     `beside_window`) in one engine, and the long one's decode steps alone and beside a second
     long request;
+  - a follow-up turn over the document and its answer, with prefix caching over the offloaded
+    blocks and without;
 and reports host/tiers/tier_cost.py's stream-vs-recompute break-even per point, and projected
 for `project_contexts` on this CPU and the `project_hardware` presets.
 `:tiny` runs the same pipeline on a 1-layer random Llama at one point, host and disk (seconds;
@@ -52,6 +54,10 @@ def get_config(arg=None):
       # Ordinary requests timed alone and beside the long one (offloaded with this window):
       beside_requests=2, beside_window=8, beside_prompt_tokens=32, beside_new_tokens=32,
       beside_decode_every=(2, 4, 8),  # again with the long one on 1 iteration in k
+      # A follow-up turn over the document and its answer (follow_up_new_tokens each), with a
+      # question of follow_up_tokens tokens, with prefix caching over the offloaded blocks
+      # and without (offload.cache_blocks), at the first point's window and chunk:
+      follow_up_tokens=64, follow_up_new_tokens=8,
       recompute_tokens=3,
       # Points run again with every offloaded block on the disk tier (offload.placement='disk')
       # in disk_kvstore ('' = WORKDIR/offload_disk, removed after).
@@ -76,7 +82,8 @@ def get_config(arg=None):
     # fold in 1 or 2 steps, one set of programs (chunks of 2 compiled 4 fold-step buckets).
     config.long_context.points = ((2, 8),)
     config.long_context.update(dict(beside_window=2, beside_prompt_tokens=8,
-                                    beside_new_tokens=4, beside_decode_every=(2,)))
+                                    beside_new_tokens=4, beside_decode_every=(2,),
+                                    follow_up_tokens=8, follow_up_new_tokens=2))
     config.long_context.recompute_tokens = 2
     config.long_context.repeats = 1
     config.long_context.disk_points = ((2, 8),)

@@ -24,6 +24,12 @@ and more figures:
                one decodes on one iteration in k while they run), with the long one's TPOT
   pair         in that engine, the long request's decode steps alone and with a second long
                request decoding at the same time (their rows batched in one streamed call)
+  follow_up    prefix caching over offloaded blocks: in an offloaded engine with
+               prefix_cache.enabled (the first point's window and chunk), the long document
+               and its answer, then a follow-up turn (document, answer and a question of
+               `follow_up_tokens` KJV tokens): its time to first token and prompt tokens
+               computed with offload.cache_blocks (the offloaded blocks indexed) and without
+               (only the device cache), after a warm-up pair of turns over another passage
   cost model   host/tiers/tier_cost.py's TierCosts, measured on a streamed engine
                (pagedjax/tiering.py): per point, the modelled seconds to stream its host blocks
                once (one decode step), to recompute the whole context once, and their ratio,
@@ -146,6 +152,7 @@ def check(config):
   for name, least in (('context_multiple', 1), ('recompute_tokens', 1), ('repeats', 1),
                       ('prompt_verse', 0), ('beside_requests', 0), ('beside_window', 1),
                       ('beside_prompt_tokens', 1), ('beside_new_tokens', 2),
+                      ('follow_up_tokens', 1), ('follow_up_new_tokens', 1),
                       ('project_chunk_tokens', 1)):
     value = lc[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -472,6 +479,47 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
 # ------------------------------------------------------------------------------------------------
 # Projection: recompute vs stream, on this CPU and on accelerator presets
 # ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# A follow-up turn over the long document: prefix caching over offloaded blocks
+# ------------------------------------------------------------------------------------------------
+def follow_up(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, other_ids, question,
+              lc) -> dict:
+  """The long document and its answer, then a follow-up turn over both and `question`, in an
+  offloaded engine with prefix caching, its offloaded blocks indexed (offload.cache_blocks) or
+  not (the device cache alone): the follow-up's time to first token (wall, warm: a pair of
+  turns over `other_ids` first compiles every shape) and its prompt tokens computed."""
+  window, chunk = lc.points[0][:2]
+  cached = dataclasses.replace(typed, prefix_cache=dataclasses.replace(typed.prefix_cache,
+                                                                       enabled=True))
+  answer = SamplingParams(max_new_tokens=lc.follow_up_new_tokens, stop_on_eos=False)
+  out = {'window_blocks': window, 'chunk_blocks': chunk}
+  for name, index in (('indexed', True), ('device_cache_only', False)):
+    settings = LongContextSettings(typed.pool.block_size, typed.pool.num_blocks - 1, window,
+                                   chunk, lc.prefill_chunk, cache_blocks=index)
+    decoder = streamed_engine(model_cfg, params, settings, cached, step_fn, tokenizer, eos_id)
+    try:
+      for doc in (other_ids, ids):  # the warm-up pair, then the timed one
+        first = decoder.generate(doc, answer)
+        turn_ids = doc + first.output_ids + question
+        before = decoder.engine.stats['prompt_tokens_computed']
+        hits = decoder.engine.offload.figures().get('offload_prefix_hit_blocks', 0)
+        turn = decoder.generate(turn_ids, answer)
+      figures = decoder.engine.offload.figures()
+      out[name] = {'ttft_s': turn.prompt_seconds,
+                   'prompt_tokens_computed': (decoder.engine.stats['prompt_tokens_computed'] -
+                                              before),
+                   'prompt_mb_streamed': turn.prompt_bytes_streamed / MB,
+                   'offload_prefix_hit_blocks': (figures.get('offload_prefix_hit_blocks', 0) -
+                                                 hits),
+                   'compilations_while_timed': turn.compilations, 'tokens': turn.output_ids}
+    finally:
+      decoder.close()
+  out['prompt_tokens'] = len(turn_ids)
+  out['tokens_identical'] = out['indexed']['tokens'] == out['device_cache_only']['tokens']
+  out['ttft_speedup'] = out['device_cache_only']['ttft_s'] / out['indexed']['ttft_s']
+  return out
+
+
 def _blocks(tokens: int, block_size: int) -> int:
   return -(-tokens // block_size)
 
@@ -778,6 +826,15 @@ def study(config, workdir: str) -> dict:
     if made_disk_dir:
       shutil.rmtree(disk_dir, ignore_errors=True)
   side, pair = beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids, lc)
+  question = prompt_ids(encode, lc.follow_up_tokens, lc.prompt_verse + 900)
+  turn = follow_up(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids,
+                   question, lc)
+  print(f"follow-up turn ({turn['prompt_tokens']} tokens): time to first token "
+        f"{turn['indexed']['ttft_s']:.2f} s with the offloaded blocks indexed "
+        f"({turn['indexed']['prompt_tokens_computed']} prompt tokens computed), "
+        f"{turn['device_cache_only']['ttft_s']:.2f} s without "
+        f"({turn['device_cache_only']['prompt_tokens_computed']}); "
+        f"{turn['ttft_speedup']:.1f}x", flush=True)
   side['long_tokens_match'] = (side.pop('long_tokens') == reference['tokens'] and
                                all(p['long_tokens_identical'] for p in side['decode_every']))
   pair['long_tokens_match'] = pair.pop('long_tokens') == reference['tokens']
@@ -802,9 +859,10 @@ def study(config, workdir: str) -> dict:
       'kv_bytes_per_token': 2 * model_cfg.num_layers * model_cfg.num_kv_heads *
                             model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize,
       'refused': refusal, 'all_device': reference, 'recompute': slow, 'rows': rows,
-      'beside': side, 'pair': pair, 'cost_model': cost.figures(),
+      'beside': side, 'pair': pair, 'follow_up': turn, 'cost_model': cost.figures(),
       'disk_kvstore': disk_dir if disk_points else None, 'projection': projected,
-      'goal': goals(rows, side, pair, reference, slow, pool_tokens, context),
+      'goal': {**goals(rows, side, pair, reference, slow, pool_tokens, context),
+               'follow_up_tokens_identical': turn['tokens_identical']},
       'load_average': {**load, 'end': os.getloadavg()},
       **run_info.summary_fields(config)}
   write_rows(rows, projected, workdir)
@@ -822,6 +880,10 @@ def study(config, workdir: str) -> dict:
       f"all-device: {reference['decode_ms_per_token_best']:.2f} ms/token fastest; " + beside_line +
       f"long decode step {pair['step_ms_one_long_best']:.1f} ms alone, "
       f"{pair['step_ms_two_long_best']:.1f} ms for two at once",
+      f"follow-up turn ({turn['prompt_tokens']} tokens): time to first token "
+      f"{turn['indexed']['ttft_s']:.2f} s with the offloaded blocks indexed, "
+      f"{turn['device_cache_only']['ttft_s']:.2f} s with the device cache only "
+      f"({turn['ttft_speedup']:.1f}x)",
       run_info.markdown_table(projected, PROJECTION_TABLE)]))
   print(f"tokens identical to all_device at a window of the pool: "
         f"{summary['goal']['tokens_identical_at_pool_window']}; everywhere: "

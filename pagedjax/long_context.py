@@ -44,7 +44,8 @@ class LongContextSettings:
   of two). host_blocks: the offload store's blocks (0: as many as max_seq_len needs).
   placement: where they live, 'host' (RAM) or 'disk' (the disk tier, in the tensorstore
   kvstore disk_kvstore: a directory or URL). layers_per_call: layers per streamed program
-  (config.offload.layers_per_call; more than the model's = all of them)."""
+  (config.offload.layers_per_call; more than the model's = all of them). cache_blocks:
+  config.offload.cache_blocks (offloaded blocks join the prefix cache when base enables it)."""
   block_size: int = 16
   pool_blocks: int = 16
   window_blocks: int = 16
@@ -54,6 +55,7 @@ class LongContextSettings:
   placement: str = 'host'
   disk_kvstore: str = ''
   layers_per_call: int = 1
+  cache_blocks: bool = True
 
   def validate(self) -> 'LongContextSettings':
     for name in ('block_size', 'pool_blocks', 'window_blocks', 'chunk_blocks', 'prefill_chunk',
@@ -64,6 +66,8 @@ class LongContextSettings:
                        f'pool_blocks={self.pool_blocks} (the window lives in the pool)')
     if self.placement not in ('host', 'disk'):
       raise ValueError(f"placement={self.placement!r} is not allowed: 'host' or 'disk'")
+    if not isinstance(self.cache_blocks, bool):
+      raise ValueError(f'cache_blocks={self.cache_blocks!r} is not allowed: True or False')
     if self.placement == 'disk' and not self.disk_kvstore:
       raise ValueError(f"disk_kvstore={self.disk_kvstore!r} is not allowed with placement="
                        "'disk': a directory or tensorstore kvstore URL")
@@ -74,7 +78,7 @@ class LongContextSettings:
     store when host_blocks is 0): every offloaded block in host RAM, or all on the disk tier."""
     blocks = self.host_blocks or math.ceil(max_seq_len / self.block_size)
     window = dict(device_blocks=self.window_blocks, chunk_blocks=self.chunk_blocks,
-                  layers_per_call=self.layers_per_call)
+                  layers_per_call=self.layers_per_call, cache_blocks=self.cache_blocks)
     offload = (OffloadConfig(host_blocks=blocks, **window) if self.placement == 'host' else
                OffloadConfig(disk_blocks=blocks, disk_kvstore=self.disk_kvstore,
                              placement='disk', **window))

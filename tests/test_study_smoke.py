@@ -107,6 +107,11 @@ def test_tiny_pipeline(name, tmp_path):
     spread = summary['beside']['decode_every']  # the long one on 1 iteration in k, beside
     assert [p['decode_every'] for p in spread] == list(config.long_context.beside_decode_every)
     assert all(p['long_tokens_identical'] and p['long_tpot_ms'] > 0 for p in spread)
+    turn = summary['follow_up']  # a follow-up turn over the document, its blocks indexed
+    assert summary['goal']['follow_up_tokens_identical'] is True
+    assert (turn['indexed']['prompt_tokens_computed'] <
+            turn['device_cache_only']['prompt_tokens_computed'])
+    assert turn['indexed']['offload_prefix_hit_blocks'] > 0
     assert {'long_context.png', 'beside.png', 'break_even.png', 'projection.csv'} <= set(
         os.listdir(tmp_path))
   else:  # the simulated studies: every row and title marked simulated
