@@ -26,10 +26,12 @@ together, B of them padded to a row bucket (the engine's powers of two up to max
 
   embed        the rows' T tokens (prompt chunks padded to engine.prefill_chunk, or 1)
   per layer group (offload.layers_per_call layers; 1 by default), one program (`_layers`):
-    in         each layer's host blocks of every row, all its fold steps, put on the device in
-               one transfer: [S, B * C] blocks, step i holding every row's i-th chunk of C
-               host blocks (host block 0 at positions -1 for a row with fewer chunks, and for
-               the steps padding S to a power of two)
+    in         each layer's host blocks of every row that has some, all its fold steps, put
+               on the device in one transfer: [S, Bh * C] blocks, step i holding each such
+               row's i-th chunk of C host blocks (host block 0 at positions -1 for a row with
+               fewer chunks, and for the steps padding S to a power of two). Those rows come
+               first, Bh of them padded to a row bucket; rows with no host blocks (ordinary
+               decodes joining the batch, offload.join_decodes) come after and add nothing
     per layer of the group:
       begin    q/k/v; the new K/V written into the engine's pool at the rows' slots, in the
                pool's own scheme (donated: in place); each row's partial state over its window
@@ -67,9 +69,10 @@ The weights are the engine's: on one CPU device each layer's params are views of
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
 index the layer inside (a transient slice, no second copy kept). Shapes are static: the window
 W, the chunk C, the row bucket B, the query length T (one of the engine's two token buckets),
-the step bucket S (`step_bucket`: the longest row's chunks to a power of two) and the group's
-layers (at most two sizes: the last group may be smaller). So an engine compiles, per (T, B) it
-meets, embed, the row selection of finish and one layer program per (S, group size) met, and
+the step bucket S (`step_bucket`: the longest row's chunks to a power of two), the row bucket
+Bh <= B of the rows with host blocks, and the group's layers (at most two sizes: the last group
+may be smaller). So an engine compiles, per (T, B) it meets, embed, the row selection of finish
+and one layer program per (S, Bh, group size) met, and
 the sampler's once per B (and once per (B, K) with beams): S grows with the log of the context,
 so the programs are bounded for a bounded max_seq_len. The layer index is a traced argument.
 Every one is counted in pagedjax/device/traces.py, and engines of one model and pool shape
@@ -77,7 +80,7 @@ share them (module-level jits, the model config and storage spec static).
 """
 import collections
 import functools
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -284,16 +287,21 @@ def _recent_window_view(scheme, pool, layer, q, k, v, absolute, in_window, windo
 
 
 def _fold(spec, state, q, positions, chunk: Dict[str, jax.Array], chunk_positions) -> State:
-  """state merged with one fold step: every row's chunk of C blocks, chunk field -> [B * C, ...]
-  as the pool stores blocks, at positions [B, C, bs]."""
-  # The chunk as a one-layer pool of its B * C blocks, read (dequantized) by the pool's scheme.
+  """state merged with one fold step: the chunk of C blocks of each of the first Bh rows (the
+  rows with host blocks come first; the rest have none), chunk field -> [Bh * C, ...] as the
+  pool stores blocks, at positions [Bh, C, bs]."""
+  # The chunk as a one-layer pool of its Bh * C blocks, read (dequantized) by the pool's scheme.
   blocks = pool_lib.KVPool(**{name: a[None] for name, a in chunk.items()}, spec=spec)
   rows, chunk_blocks = chunk_positions.shape[:2]
   k, v = blocks.scheme.read_blocks(blocks, 0,
                                    jnp.arange(rows * chunk_blocks).reshape(rows, chunk_blocks))
   # A recent window's newest tokens are read from its rings (_recent_window_view), not here.
-  upto = positions - blocks.scheme.recent_window  # padding (-1) stays below 0
-  return combine(state, _partial_states(q, upto, k, v, chunk_positions))
+  upto = positions[:rows] - blocks.scheme.recent_window  # padding (-1) stays below 0
+  merged = combine(State(*(a[:rows] for a in state)),
+                   _partial_states(q[:rows], upto, k, v, chunk_positions))
+  if rows == q.shape[0]:
+    return merged
+  return State(*(jnp.concatenate([m, a[rows:]]) for m, a in zip(merged, state)))
 
 
 def layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array],
@@ -312,17 +320,20 @@ def layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax
   return pool, jax.lax.fori_loop(0, num_steps, step, state)
 
 
-def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array]):
+def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array],
+                           host_rows: Optional[int] = None):
   """layer_attention through the native CPU kernel (kernels/cpu.py), for pools it reads
   natively (KVScheme.kernel_native): the rows' new K/V written into the pool, then two kernel
   calls, each returning its output with every query row's log-sum-exp (lse), merged as two
   disjoint spans' softmaxes:
     window  the pool's blocks of each row's window read in place through window_table, at
             positions relative to the window's start (it starts on a block);
-    host    every fold step's chunks at once as a one-layer pool of S * B * C blocks, row b's
-            host blocks in order through a static table (step i, chunk c -> i * B * C + b * C
-            + c), and window_start (the host tokens) as its context: every query sees them all,
-            the steps past the real ones (padding to S) never, nor a padding row anything.
+    host    every fold step's chunks at once as a one-layer pool of S * Bh * C blocks (the
+            first Bh = host_rows rows, default all B: the rows with host blocks come first),
+            row b's host blocks in order through a static table (step i, chunk c -> i * Bh *
+            C + b * C + c), and window_start (the host tokens) as its context: every query
+            sees them all, the steps past the real ones (padding to S) never, nor a padding
+            row, or a row past Bh (no host tokens), anything.
   -> (pool, attention output [B, T, Hq, Dh] float32). The same arithmetic as the all-device
   step's kernel, over the same blocks, in two spans."""
   from pagedjax.kernels import cpu as native  # pylint: disable=import-outside-toplevel
@@ -333,12 +344,16 @@ def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[s
   out_w, lse_w = native.paged_attention_cpu_lse(
       q, pool.k, pool.v, rows.window_table, window_len, in_window, k_scales=pool.k_scale,
       v_scales=pool.v_scale, layer=layer)
-  steps, num_rows, chunk_blocks = (chunks['k'].shape[0], rows.positions.shape[0],
-                                   chunks['k'].shape[1] // rows.positions.shape[0])
+  # The chunks hold the first Bh rows' blocks (the rows with host blocks come first): a later
+  # row's table is block 0 at context 0 (it has no host tokens), never read.
+  steps, num_rows = chunks['k'].shape[0], rows.positions.shape[0]
+  host_rows = num_rows if host_rows is None else host_rows
+  chunk_blocks = chunks['k'].shape[1] // host_rows
   host = {name: a.reshape((1, -1) + a.shape[2:]) for name, a in chunks.items()}
-  table = (jnp.arange(steps)[None, :, None] * (num_rows * chunk_blocks) +
-           jnp.arange(num_rows)[:, None, None] * chunk_blocks +
-           jnp.arange(chunk_blocks)[None, None, :]).reshape(num_rows, -1).astype(jnp.int32)
+  table = (jnp.arange(steps)[None, :, None] * (host_rows * chunk_blocks) +
+           jnp.arange(host_rows)[:, None, None] * chunk_blocks +
+           jnp.arange(chunk_blocks)[None, None, :]).reshape(host_rows, -1).astype(jnp.int32)
+  table = jnp.pad(table, ((0, num_rows - host_rows), (0, 0)))
   out_h, lse_h = native.paged_attention_cpu_lse(
       q, host['k'], host['v'], table, start, rows.positions, k_scales=host.get('k_scale'),
       v_scales=host.get('v_scale'), layer=0)
@@ -371,7 +386,8 @@ def _layers(cfg, stacked, native, lps, first, x, pool, rows: RowInputs, chunks,
     lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
     q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions)
     if native:
-      pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks)
+      pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
+                                          chunk_positions.shape[1])
     else:
       pool, state = layer_attention(pool, layer, q, k, v, rows, layer_chunks, chunk_positions,
                                     num_steps)
@@ -540,7 +556,9 @@ class StreamedAttention:
     ids, logprobs = np.zeros((len(rows), topk), np.int32), np.zeros((len(rows), topk), np.float32)
     largest = self.row_buckets[-1]
     for bucket in sorted({token_bucket(r) for r in rows}):
-      members = [i for i, r in enumerate(rows) if token_bucket(r) == bucket]
+      # Rows with host blocks first: a batch's chunks hold only theirs (_run_batch).
+      members = sorted((i for i, r in enumerate(rows) if token_bucket(r) == bucket),
+                       key=lambda i: not rows[i].host_table)
       for first in range(0, len(members), largest):
         part = members[first:first + largest]
         pool, got, got_logits, nbytes, cands = self._run_batch(
@@ -575,7 +593,12 @@ class StreamedAttention:
     token_ids = np.zeros((num_rows, num_tokens), np.int32)
     for r, row in enumerate(rows):
       token_ids[r, :len(row.tokens)] = row.tokens
-    steps = fold_steps([r.host_table for r in rows], num_rows, self.chunk_blocks,
+    # The chunks hold the blocks of the rows with host blocks (they come first, `run`), in a
+    # row bucket of their own: rows without (ordinary decodes joining, offload.join_decodes)
+    # add no padding blocks to read and transfer.
+    with_host = sum(bool(r.host_table) for r in rows)
+    host_rows = next(b for b in self.row_buckets if b >= max(with_host, 1))
+    steps = fold_steps([r.host_table for r in rows[:with_host]], host_rows, self.chunk_blocks,
                        self.block_size)
     bucket = len(steps.positions)
     # The batch's inputs go to the device once, not once per layer group.
@@ -584,6 +607,7 @@ class StreamedAttention:
     self.counters['batches'] += 1
     self.counters[f'batches_of_{len(rows)}_rows'] += 1
     self.counters['padding_rows'] += num_rows - len(rows)
+    self.counters['rows_without_host_blocks'] += len(rows) - with_host
     self.counters['layer_calls'] += len(self.groups)
     self.counters['fold_steps'] += cfg.num_layers * steps.num_steps
     self.counters['padding_steps'] += cfg.num_layers * (bucket - steps.num_steps)
@@ -602,7 +626,7 @@ class StreamedAttention:
                                 {name: a[:real] for name, a in buffer.items()}), buffer)
               for i, buffer in enumerate(buffers)]
 
-    def as_steps(data):  # field -> [S * B * C, ...] -> [S, B * C, ...] (a view)
+    def as_steps(data):  # field -> [S * Bh * C, ...] -> [S, Bh * C, ...] (a view)
       return {name: a.reshape((bucket, -1) + a.shape[1:]) for name, a in data.items()}
 
     streamed, pending = 0, start_reads(0)
