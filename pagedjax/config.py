@@ -371,6 +371,11 @@ class OffloadConfig:
   # store instead of prefilling them; blocks no sequence holds stay until the store needs the
   # room, in prefix_cache.eviction's order.
   cache_blocks: bool = True
+  # When an offloaded sequence decodes, the ordinary decode rows whose blocks fit device_blocks
+  # decode in the same streamed programs (one pass over each layer's weights for both, not the
+  # batched step's and then the streamed one's); their attention is then the streamed path's
+  # window read. False: they always run in the batched decode step.
+  join_decodes: bool = True
 
   def validate(self, pool: PoolConfig, tiers: TiersConfig):
     for name, least in (('host_blocks', 0), ('device_blocks', 1), ('chunk_blocks', 1),
@@ -378,7 +383,7 @@ class OffloadConfig:
       value = getattr(self, name)
       if not _is_int(value) or value < least:
         _fail(f'offload.{name}', value, f'an integer >= {least}')
-    for name in ('instead_of_preempting', 'cache_blocks'):
+    for name in ('instead_of_preempting', 'cache_blocks', 'join_decodes'):
       if not isinstance(getattr(self, name), bool):
         _fail(f'offload.{name}', getattr(self, name), 'True or False')
     if self.placement not in ('host', 'disk'):

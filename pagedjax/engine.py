@@ -335,7 +335,7 @@ class Engine:
     if self.offload is not None:  # blocks moved to host RAM, and what streaming them moved
       extra.update(self.offload.figures(), **{k: self.stats[k] for k in (
           'streamed_rows', 'streamed_tokens', 'streamed_steps',
-          'streamed_bytes')})
+          'streamed_bytes', 'joined_decode_rows')})
     return self.metrics.engine_summary(
         self.prefix_cache, pool_kind=cfg.pool.kind,
         preemption=cfg.scheduler.preemption, block_size=self.block_size,

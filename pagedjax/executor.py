@@ -204,15 +204,30 @@ class PlanExecutor:
     self.device.start_iteration(len(plan.rows))
     self._move_blocks(plan, out)
     batched = [(s, n) for s, n in plan.rows if not s.host_table]
+    streamed = [(s, n) for s, n in plan.rows if s.host_table]
+    joined = self._joining(batched, streamed)
+    if joined:
+      batched = [row for row in batched if not any(row[0] is s for s, _ in joined)]
     for kind, rows in (('prefill', [(s, n) for s, n in batched if n > 1]),
                        ('decode', [(s, n) for s, n in batched if n == 1])):
       if rows:
         out.calls.append(self._step(rows, kind, out))
         out.counts[f'{kind}_steps'] += 1
-    streamed = [(s, n) for s, n in plan.rows if s.host_table]
     if streamed:
-      out.calls.append(self._run_streamed(streamed, out))
+      out.calls.append(self._run_streamed(streamed, out, joined))
     return out
+
+  def _joining(self, batched, streamed):
+    """The ordinary decode rows that join this iteration's streamed decode batch
+    (offload.join_decodes): when an offloaded row decodes, every one-token row whose blocks
+    fit the streamed window goes through the same per-layer programs, one pass over the
+    weights for both instead of a batched step and then the streamed one."""
+    if (self.offload is None or not self.offload.join_decodes or
+        not any(n == 1 for _, n in streamed)):
+      return []
+    window = self.offload.window
+    return [(s, n) for s, n in batched
+            if n == 1 and len(self.blocks.visible_table(s, s.num_cached + 1)) <= window]
 
   def write_through(self) -> StepOutput:
     """With write-through KV tiers: one gather of the blocks the prefix cache took in since the
@@ -329,23 +344,30 @@ class PlanExecutor:
     add_counts(out.counts, result.counts)
     return result
 
-  def _run_streamed(self, rows, out: StepOutput) -> CallResult:
-    """The offloaded rows through the streamed path, batched (model/streamed_attention.py). A
-    JAX pool's path only: the simulator refuses offload."""
+  def _run_streamed(self, rows, out: StepOutput, joined=()) -> CallResult:
+    """The offloaded rows, and the ordinary decode rows joining them (`_joining`: no host
+    blocks, their visible blocks as the window), through the streamed path, batched
+    (model/streamed_attention.py). A JAX pool's path only: the simulator refuses offload."""
+    if joined and self.swaps_tails:
+      self._timed(out, self._restore_tails, joined)
     specs = []
-    for seq, n in rows:
+    for seq, n in list(rows) + list(joined):
       start, p = seq.num_cached, seq.params
-      specs.append(StreamedRow(seq.all_ids[start:start + n], start, seq.host_table,
-                               seq.block_table, p.temperature, p.top_k, p.top_p, p.seed,
-                               len(seq.output_ids), seq.lane))
+      window = (seq.block_table if seq.host_table else
+                self.blocks.visible_table(seq, start + n))
+      specs.append(StreamedRow(seq.all_ids[start:start + n], start, seq.host_table, window,
+                               p.temperature, p.top_k, p.top_p, p.seed, len(seq.output_ids),
+                               seq.lane))
+    every = list(rows) + list(joined)
     self.pool, tokens, logits, streamed, cands = self._timed(
         out, self.streamed.run, self.params, self.pool, self.offload.store, specs,
-        self._topk(rows))
+        self._topk(every))
     out.counts['streamed_rows'] += len(rows)
     out.counts['streamed_tokens'] += sum(n for _, n in rows)
     out.counts['streamed_bytes'] += streamed
     out.counts['streamed_steps'] += 1
-    return CallResult(rows, tokens, logits if self.device.record_logits else None, cands)
+    out.counts['joined_decode_rows'] += len(joined)
+    return CallResult(every, tokens, logits if self.device.record_logits else None, cands)
 
   def _timed(self, out: StepOutput, fn, *args):
     """Runs a device call (which must block on its result), charging compile or device time."""

@@ -75,7 +75,8 @@ class Offload:
   def __init__(self, block_array_shapes, blocks, *, host_blocks: int, device_blocks: int,
                chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int,
                disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host',
-               decode_every: int = 1, prefix_cache_eviction: Optional[str] = None):
+               decode_every: int = 1, prefix_cache_eviction: Optional[str] = None,
+               join_decodes: bool = False):
     """prefix_cache_eviction: the prefix cache's eviction policy when the engine caches
     prefixes and offloaded blocks join them (offload.cache_blocks): their index's idle blocks
     go in its order (offload_index.py); None = no index."""
@@ -94,6 +95,9 @@ class Offload:
     self.instead_of_preempting, self.max_seq_len = instead_of_preempting, max_seq_len
     # config.offload.decode_every; a caller may change it between iterations (resting)
     self.decode_every = decode_every
+    # config.offload.join_decodes: ordinary decode rows join the streamed decode batch
+    # (executor.py `_joining`); a caller may change it between iterations
+    self.join_decodes = join_decodes
     self._owed: Dict[int, int] = {}  # request id -> host blocks reserved, not yet taken
     self._beams: Dict[int, int] = {}  # a beam group's request id -> its members holding it
     self.counters = collections.Counter()
@@ -109,7 +113,8 @@ class Offload:
                instead_of_preempting=off.instead_of_preempting, max_seq_len=max_seq_len,
                disk_blocks=off.disk_blocks, disk_kvstore=off.disk_kvstore,
                placement=off.placement, decode_every=off.decode_every,
-               prefix_cache_eviction=prefix_cache.eviction if cached else None)
+               prefix_cache_eviction=prefix_cache.eviction if cached else None,
+               join_decodes=off.join_decodes)
 
   def resting(self, running: List[Sequence], iteration: int) -> List[Sequence]:
     """The offloaded sequences that sit this iteration out (`decode_every`): every one that
