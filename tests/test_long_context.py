@@ -110,14 +110,15 @@ def test_decode_every_spreads_the_streamed_rows_over_the_neighbours_steps(offloa
         s.output_ids for s in offloaded.running):
       offloaded.step()  # the long request to its first token
     ids.append(offloaded.submit(short_prompt, short_params))
-    steps = []  # per iteration: (its number, the long one streamed, a batched step ran)
+    steps = []  # per iteration: (its number, the long one streamed, the short one ran)
     while offloaded.has_work():
       before = dict(offloaded.stats)
       offloaded.step()
       ran = {k: offloaded.stats[k] - before.get(k, 0) for k in
-             ('streamed_steps', 'decode_steps', 'prefill_steps')}
+             ('streamed_steps', 'decode_steps', 'prefill_steps', 'joined_decode_rows')}
+      # the short request's decode rows join the long one's streamed call when both decode
       steps.append((offloaded.scheduler.iterations, ran['streamed_steps'] > 0,
-                    ran['decode_steps'] + ran['prefill_steps'] > 0))
+                    ran['decode_steps'] + ran['prefill_steps'] + ran['joined_decode_rows'] > 0))
   finally:
     offloaded.offload.decode_every = 1
   for i, w in zip(ids, want):
@@ -127,6 +128,35 @@ def test_decode_every_spreads_the_streamed_rows_over_the_neighbours_steps(offloa
   assert sum(batched for _, _, batched in steps) == 9
   assert all(streamed == (not batched or n % 3 == 0) for n, streamed, batched in steps)
   assert sum(streamed for _, streamed, _ in steps) == len(offloaded.finished[ids[0]].output_ids) - 1
+
+
+@pytest.mark.parametrize('impl', ['reference', 'cpu'])
+def test_ordinary_decodes_join_the_streamed_decode_batch(impl):
+  # Two ordinary requests (one top-k sampled) submitted once a 200-token request (6x the pool)
+  # decodes: their decode rows go through the streamed programs with it (offload.join_decodes,
+  # one pass over the weights), with the XLA fold and with the native CPU kernel, whose host
+  # span is then empty for them. With join_decodes off they run in the batched decode step.
+  # Tokens and logits as the all-device engine's either way.
+  reference = _engine(65, attention_impl=impl)
+  engine = _engine(POOL_BLOCKS + 1, OFFLOAD, attention_impl=impl)
+  long_prompt, sampled_prompt, greedy_prompt = prompts([200, 5, 9], seed=3)
+  greedy = SamplingParams(max_new_tokens=12)
+  sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, seed=3)
+  work = [(long_prompt, greedy), (sampled_prompt, sampled), (greedy_prompt, greedy)]
+  want = [_solo(reference, p, s) for p, s in work]
+  for join in (True, False):
+    engine.offload.join_decodes = join
+    before = dict(engine.stats)
+    ids = [engine.submit(*work[0])]
+    while not any(s.output_ids for s in engine.running):
+      engine.step()
+    ids += [engine.submit(*w) for w in work[1:]]
+    engine.run()
+    for i, w in zip(ids, want):
+      _same(engine.finished[i], w)
+    joined = engine.stats['joined_decode_rows'] - before.get('joined_decode_rows', 0)
+    assert (joined > 0) == join
+  assert engine.executor.streamed.native == (impl == 'cpu')
 
 
 def test_4x_the_pool_with_parallel_samples_sharing_its_prefix(offloaded, reference):
