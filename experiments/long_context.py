@@ -20,8 +20,10 @@ One greedy request whose context (prompt + new tokens) is `context_multiple` x t
 and more figures:
   beside       `beside_requests` ordinary requests alone, then beside the long one (offloaded with
                a window of `beside_window` blocks) in the same engine: their TPOT both ways,
-               and again for each `beside_decode_every` (config.offload.decode_every: the long
-               one decodes on one iteration in k while they run), with the long one's TPOT
+               again with offload.join_decodes off (their decodes in the batched step, then
+               the streamed call: two passes over the weights), and for each
+               `beside_decode_every` (config.offload.decode_every: the long one decodes on
+               one iteration in k while they run), with the long one's TPOT
   pair         in that engine, the long request's decode steps alone and with a second long
                request decoding at the same time (their rows batched in one streamed call)
   follow_up    prefix caching over offloaded blocks: in an offloaded engine with
@@ -455,6 +457,11 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
                                  else None),
                    'long_tpot_ms': long_tpot, 'long_tokens_identical': tokens == long_tokens})
   engine.offload.decode_every = 1
+  # offload.join_decodes off: the ordinary decodes in the batched step, then the streamed call
+  # (two passes over the weights per iteration)
+  engine.offload.join_decodes = False
+  separate, separate_tokens, _ = together()
+  engine.offload.join_decodes = True
   one, _ = decode_steps([ids])
   two, pair_tokens = decode_steps([ids, second_ids])
   side = {'requests': lc.beside_requests, 'window_blocks': lc.beside_window,
@@ -464,7 +471,13 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
           'tpot_ms_beside_long_median': float(np.median(beside_long)) if alone else None,
           'tpot_rise': (float(np.median(beside_long) / np.median(alone) - 1) if alone
                         else None),
-          'long_tokens': long_tokens, 'decode_every': spread}
+          'long_tokens': long_tokens, 'decode_every': spread,
+          'join_decodes': engine.offload.join_decodes,
+          'tpot_ms_separate_pass': separate,
+          'tpot_ms_separate_pass_median': float(np.median(separate)) if separate else None,
+          'tpot_rise_separate_pass': (float(np.median(separate) / np.median(alone) - 1)
+                                      if alone else None),
+          'separate_pass_tokens_identical': separate_tokens == long_tokens}
   pair = {'window_blocks': lc.beside_window, 'step_ms_one_long': one,
           'step_ms_two_long': two, 'step_ms_one_long_best': min(one),
           'step_ms_two_long_best': min(two),
@@ -656,12 +669,15 @@ def plot_points(rows: list, reference: dict, slow: dict, title: str, workdir: st
 def plot_beside(side: dict, pair: dict, title: str, workdir: str) -> None:
   plt = plots.pyplot()
   fig, (tpot, steps) = plt.subplots(1, 2, figsize=(11, 4.5), layout='constrained')
-  cases = [('alone', side['tpot_ms_alone']), ('beside the long request',
-                                              side['tpot_ms_beside_long'])]
+  cases = [('alone', side['tpot_ms_alone']),
+           ('beside the long request\n(one weight pass)', side['tpot_ms_beside_long']),
+           ('beside it, join_decodes off\n(two weight passes)', side['tpot_ms_separate_pass'])]
+  colours = ('tab:blue', 'tab:orange', 'tab:red')
   for i, (name, values) in enumerate(cases):
     if values:
-      tpot.bar(i, np.median(values), width=0.5, color='tab:blue' if i == 0 else 'tab:orange',
-               label=f'{name}, median ({np.median(values):.2f} ms)')
+      label = name.replace('\n', ' ')
+      tpot.bar(i, np.median(values), width=0.5, color=colours[i],
+               label=f'{label}, median ({np.median(values):.2f} ms)')
       tpot.scatter([i] * len(values), values, color='black', s=12, zorder=3)
   tpot.scatter([], [], color='black', s=12, label='each request')
   tpot.set_xticks(range(len(cases)), [name for name, _ in cases])
@@ -771,6 +787,7 @@ def goals(rows: list, side: dict, pair: dict, reference: dict, slow: dict, pool_
       'ordinary_tpot_rise': side['tpot_rise'],
       'ordinary_tpot_within_25pct': (bool(side['tpot_rise'] <= 0.25)
                                      if side['tpot_rise'] is not None else None),
+      'ordinary_tpot_rise_join_decodes_off': side['tpot_rise_separate_pass'],
       # the smallest offload.decode_every that keeps the ordinary requests within +25%
       'decode_every_within_25pct': next((p['decode_every'] for p in side['decode_every']
                                          if p['tpot_rise'] is not None and
@@ -836,11 +853,16 @@ def study(config, workdir: str) -> dict:
         f"({turn['device_cache_only']['prompt_tokens_computed']}); "
         f"{turn['ttft_speedup']:.1f}x", flush=True)
   side['long_tokens_match'] = (side.pop('long_tokens') == reference['tokens'] and
+                               side['separate_pass_tokens_identical'] and
                                all(p['long_tokens_identical'] for p in side['decode_every']))
   pair['long_tokens_match'] = pair.pop('long_tokens') == reference['tokens']
   if side['tpot_ms_alone']:
     print(f"ordinary requests' TPOT: {side['tpot_ms_alone_median']:.2f} ms alone, "
-          f"{side['tpot_ms_beside_long_median']:.2f} ms beside the long one", flush=True)
+          f"{side['tpot_ms_beside_long_median']:.2f} ms beside the long one "
+          f"({100 * side['tpot_rise']:+.0f}%; "
+          f"{side['tpot_ms_separate_pass_median']:.2f} ms, "
+          f"{100 * side['tpot_rise_separate_pass']:+.0f}%, with offload.join_decodes off)",
+          flush=True)
   for point in side['decode_every']:
     if point['tpot_rise'] is not None:
       print(f"offload.decode_every={point['decode_every']}: ordinary TPOT "
