@@ -20,8 +20,9 @@ One greedy request whose context (prompt + new tokens) is `context_multiple` x t
 and more figures:
   beside       `beside_requests` ordinary requests alone, then beside the long one (offloaded with
                a window of `beside_window` blocks) in the same engine: their TPOT both ways,
-               again with offload.join_decodes off (their decodes in the batched step, then
-               the streamed call: two passes over the weights), and for each
+               and with offload.join_decodes off (their decodes in the batched step, then the
+               streamed call: two passes over the weights), in `repeats` interleaved rounds
+               (every request's TPOT pooled); then once for each
                `beside_decode_every` (config.offload.decode_every: the long one decodes on
                one iteration in k while they run), with the long one's TPOT
   pair         in that engine, the long request's decode steps alone and with a second long
@@ -445,8 +446,19 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
   together()  # compiles every shape the timed runs meet
   decode_steps([ids, second_ids])  # and those of two long rows in one streamed batch
   compiled = engine.num_compilations
-  alone = tpot_ms(engine.generate(ordinary, short)) if ordinary else []
-  beside_long, long_tokens, _ = together()
+  # Alone, beside the long one (offload.join_decodes on, the default) and beside it with
+  # join_decodes off (their decodes in the batched step, then the streamed call: two passes
+  # over the weights), in `repeats` interleaved rounds, every request's TPOT pooled.
+  alone, beside_long, separate, separate_tokens = [], [], [], []
+  for _ in range(lc.repeats):
+    alone += tpot_ms(engine.generate(ordinary, short)) if ordinary else []
+    tpots, long_tokens, _ = together()
+    beside_long += tpots
+    engine.offload.join_decodes = False
+    tpots, tokens, _ = together()
+    engine.offload.join_decodes = True
+    separate += tpots
+    separate_tokens.append(tokens)
   spread = []  # offload.decode_every: the long request decodes on one iteration in k
   for every in lc.beside_decode_every:
     engine.offload.decode_every = every
@@ -457,11 +469,6 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
                                  else None),
                    'long_tpot_ms': long_tpot, 'long_tokens_identical': tokens == long_tokens})
   engine.offload.decode_every = 1
-  # offload.join_decodes off: the ordinary decodes in the batched step, then the streamed call
-  # (two passes over the weights per iteration)
-  engine.offload.join_decodes = False
-  separate, separate_tokens, _ = together()
-  engine.offload.join_decodes = True
   one, _ = decode_steps([ids])
   two, pair_tokens = decode_steps([ids, second_ids])
   side = {'requests': lc.beside_requests, 'window_blocks': lc.beside_window,
@@ -477,7 +484,8 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
           'tpot_ms_separate_pass_median': float(np.median(separate)) if separate else None,
           'tpot_rise_separate_pass': (float(np.median(separate) / np.median(alone) - 1)
                                       if alone else None),
-          'separate_pass_tokens_identical': separate_tokens == long_tokens}
+          'separate_pass_tokens_identical': all(t == long_tokens for t in separate_tokens),
+          'rounds': lc.repeats}
   pair = {'window_blocks': lc.beside_window, 'step_ms_one_long': one,
           'step_ms_two_long': two, 'step_ms_one_long_best': min(one),
           'step_ms_two_long_best': min(two),

@@ -372,19 +372,20 @@ def _embed(cfg, params, tokens):
   return llama.embed_tokens(cfg, params, tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(6,))
-def _layers(cfg, stacked, native, lps, first, x, pool, rows: RowInputs, chunks,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
+def _layers(cfg, stacked, native, linear_impl, lps, first, x, pool, rows: RowInputs, chunks,
             chunk_positions, num_steps):
   """x [B, T, D] through the layers first, first + 1, .. (one per entry of chunks, that layer's
   fold steps as `layer_attention` takes them): q/k/v, attention over the window and the host
   blocks, o_proj, residual, MLP. lps: the stacked layer params (stacked) or each layer's own.
   native: attention through the native CPU kernel (native_layer_attention), else the fold.
+  linear_impl: the projections' matmuls (llama.LINEAR_IMPLS; StreamedAttention.linear_impl).
   -> (x, pool); the pool is donated (written in place)."""
   traces.record()
   for i, layer_chunks in enumerate(chunks):
     layer = first + i
     lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
-    q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions)
+    q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions, linear_impl)
     if native:
       pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
                                           chunk_positions.shape[1])
@@ -392,7 +393,7 @@ def _layers(cfg, stacked, native, lps, first, x, pool, rows: RowInputs, chunks,
       pool, state = layer_attention(pool, layer, q, k, v, rows, layer_chunks, chunk_positions,
                                     num_steps)
       attn = jax.vmap(lambda s: normalise(s, cfg.num_heads))(state)
-    x = llama.layer_output(cfg, lp, x, attn.astype(x.dtype))
+    x = llama.layer_output(cfg, lp, x, attn.astype(x.dtype), linear_impl)
   return x, pool
 
 
@@ -487,12 +488,17 @@ class StreamedAttention:
 
   def __init__(self, cfg: llama.ModelConfig, block_size: int, window_blocks: int,
                chunk_blocks: int, token_buckets, row_buckets=(1,), layers_per_call: int = 1,
-               attention_impl: str = 'auto'):
+               attention_impl: str = 'auto', linear_impl: str = 'xla'):
     self.cfg, self.block_size = cfg, block_size
     # The engine's attention path (config.attention.impl): where it is the native CPU kernel,
     # pools that kernel reads natively are attended through it here too (native_layer_attention).
     self.native = (attention_impl if attention_impl != 'auto' else kernels.best_impl()) == 'cpu'
     self.window_blocks, self.chunk_blocks = window_blocks, chunk_blocks
+    # The layer programs' projections multiply with XLA's dot by default, not the engine's
+    # linear_impl: in a program of one layer the native kernel's custom calls cost more than
+    # they save on this CPU (SmolLM2, a long row and two ordinary decodes joined at 4 rows: an
+    # iteration of 44 ms with XLA's dot, 56 ms with the kernel; the long row alone 33 / 35 ms).
+    self.linear_impl = linear_impl
     self.token_buckets, self.row_buckets = sorted(token_buckets), sorted(row_buckets)
     per_call = min(layers_per_call, cfg.num_layers)
     # (first layer, layers): at most two sizes, so at most two programs per shape.
@@ -646,8 +652,9 @@ class StreamedAttention:
         chunks = jax.device_put(chunks)
       streamed += sum(a.nbytes for layer in chunks for a in layer.values())
       pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
-      x, pool = _layers(cfg, stacked, native, group_params[group], self._layer_ids[first], x,
-                        pool, inputs, chunks, step_positions, num_steps)
+      x, pool = _layers(cfg, stacked, native, self.linear_impl, group_params[group],
+                        self._layer_ids[first], x, pool, inputs, chunks, step_positions,
+                        num_steps)
       used[group % 2] = x
     index = np.zeros(num_rows, np.int32)  # each row's last real token (padding rows: 0)
     index[:len(rows)] = [len(r.tokens) - 1 for r in rows]
