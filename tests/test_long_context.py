@@ -26,6 +26,7 @@ from pagedjax.model import streamed_attention as sa
 from pagedjax.engine import Engine
 from pagedjax.host.requests.intake import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
+from pagedjax.host.scheduling import offload_store
 from pagedjax.host.scheduling.offload_store import OffloadStore
 from pagedjax.host.scheduling.step_inputs import RowSpec, build_step_inputs
 from pagedjax.long_context import LongContextDecoder, LongContextSettings
@@ -654,15 +655,16 @@ def test_streamed_attention_matches_dense_attention():
 
 
 def test_read_buffers_are_aligned_so_the_cpu_device_takes_them_in_place():
-  """The streamed path's host buffers (sa.aligned_empty) start on a 64-byte boundary, whatever
-  numpy's allocator gives (16 bytes for large arrays), and on a CPU device a transfer of one
-  aliases it rather than copying it: what keeps a streamed decode step off a copy of every
-  host block it reads."""
+  """The streamed path's host buffers and the offload store's host RAM
+  (offload_store.aligned_array) start on a 64-byte boundary, whatever numpy's allocator gives
+  (16 bytes for large arrays), and on a CPU device a transfer of one aliases it rather than
+  copying it: what keeps a streamed decode step off a copy of every host block it reads."""
   for shape, dtype in (((64, 3, 16, 64), np.float32), ((7, 2, 8, 12), np.int8),
                        ((5, 2, 8), np.float16)):
-    a = sa.aligned_empty(shape, dtype)
-    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
-    assert a.ctypes.data % sa.BUFFER_ALIGN == 0
+    for zeros in (False, True):
+      a = offload_store.aligned_array(shape, dtype, zeros=zeros)
+      assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+      assert a.ctypes.data % offload_store.RAM_ALIGN == 0 and (not zeros or not a.any())
   if jax.default_backend() == 'cpu':
-    a = sa.aligned_empty((64, 3, 16, 64), np.float32)
+    a = offload_store.aligned_array((64, 3, 16, 64), np.float32)
     assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data

@@ -63,7 +63,8 @@ keeps offload worth having on an accelerator; layers_per_call >= L holds every l
 calls, for a CPU, where calls cost more than memory). The store's reads of a group are started
 while the group before computes (`OffloadStore.start_read`: a disk placement reads
 asynchronously). On a CPU device the reads go into reused, 64-byte-aligned host buffers that the
-programs take as they are, with no copy and no device_put (`aligned_empty`).
+programs take as they are, with no copy and no device_put (the store's `read_buffer`,
+host/scheduling/offload_store.aligned_array).
 
 The weights are the engine's: on one CPU device each layer's params are views of the stacked
 arrays (llama.per_layer_params, no copy); elsewhere the programs take the stacked arrays and
@@ -321,7 +322,7 @@ def layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax
 
 
 def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[str, jax.Array],
-                           host_rows: Optional[int] = None):
+                           host_rows: Optional[int] = None, host_table=None):
   """layer_attention through the native CPU kernel (kernels/cpu.py), for pools it reads
   natively (KVScheme.kernel_native): the rows' new K/V written into the pool, then two kernel
   calls, each returning its output with every query row's log-sum-exp (lse), merged as two
@@ -334,6 +335,9 @@ def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[s
             C + b * C + c), and window_start (the host tokens) as its context: every query
             sees them all, the steps past the real ones (padding to S) never, nor a padding
             row, or a row past Bh (no host tokens), anything.
+  With host_table ([Bh, S * C] host ids, each row's host blocks in order, zeros after), chunks
+  are the offload store's host arrays themselves ([layers, H + 1, ...], read in place: the
+  store's `in_place`), and row b reads its blocks through host_table at `layer`.
   -> (pool, attention output [B, T, Hq, Dh] float32). The same arithmetic as the all-device
   step's kernel, over the same blocks, in two spans."""
   from pagedjax.kernels import cpu as native  # pylint: disable=import-outside-toplevel
@@ -346,17 +350,23 @@ def native_layer_attention(pool, layer, q, k, v, rows: RowInputs, chunks: Dict[s
       v_scales=pool.v_scale, layer=layer)
   # The chunks hold the first Bh rows' blocks (the rows with host blocks come first): a later
   # row's table is block 0 at context 0 (it has no host tokens), never read.
-  steps, num_rows = chunks['k'].shape[0], rows.positions.shape[0]
-  host_rows = num_rows if host_rows is None else host_rows
-  chunk_blocks = chunks['k'].shape[1] // host_rows
-  host = {name: a.reshape((1, -1) + a.shape[2:]) for name, a in chunks.items()}
-  table = (jnp.arange(steps)[None, :, None] * (host_rows * chunk_blocks) +
-           jnp.arange(host_rows)[:, None, None] * chunk_blocks +
-           jnp.arange(chunk_blocks)[None, None, :]).reshape(host_rows, -1).astype(jnp.int32)
+  num_rows = rows.positions.shape[0]
+  if host_table is not None:  # the store's arrays in place, read through the rows' host ids
+    host, host_layer = chunks, layer
+    table = jnp.asarray(host_table, jnp.int32)
+    host_rows = table.shape[0]
+  else:  # the fold steps' chunks: [S, Bh * C] blocks, step-major
+    steps = chunks['k'].shape[0]
+    host_rows = num_rows if host_rows is None else host_rows
+    chunk_blocks = chunks['k'].shape[1] // host_rows
+    host, host_layer = {name: a.reshape((1, -1) + a.shape[2:]) for name, a in chunks.items()}, 0
+    table = (jnp.arange(steps)[None, :, None] * (host_rows * chunk_blocks) +
+             jnp.arange(host_rows)[:, None, None] * chunk_blocks +
+             jnp.arange(chunk_blocks)[None, None, :]).reshape(host_rows, -1).astype(jnp.int32)
   table = jnp.pad(table, ((0, num_rows - host_rows), (0, 0)))
   out_h, lse_h = native.paged_attention_cpu_lse(
       q, host['k'], host['v'], table, start, rows.positions, k_scales=host.get('k_scale'),
-      v_scales=host.get('v_scale'), layer=0)
+      v_scales=host.get('v_scale'), layer=host_layer)
   m = jnp.maximum(lse_w, lse_h)
   shift = jnp.where(m == -jnp.inf, 0.0, m)  # a row that sees nothing: both weights 0
   w_w, w_h = jnp.exp(lse_w - shift), jnp.exp(lse_h - shift)
@@ -372,13 +382,18 @@ def _embed(cfg, params, tokens):
   return llama.embed_tokens(cfg, params, tokens)
 
 
+IN_PLACE = 2  # _layers' `native`: the native kernel over the offload store's arrays in place
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
 def _layers(cfg, stacked, native, linear_impl, lps, first, x, pool, rows: RowInputs, chunks,
             chunk_positions, num_steps):
   """x [B, T, D] through the layers first, first + 1, .. (one per entry of chunks, that layer's
   fold steps as `layer_attention` takes them): q/k/v, attention over the window and the host
   blocks, o_proj, residual, MLP. lps: the stacked layer params (stacked) or each layer's own.
-  native: attention through the native CPU kernel (native_layer_attention), else the fold.
+  native: attention through the native CPU kernel (native_layer_attention), else the fold;
+  IN_PLACE: that kernel reading the offload store's host arrays in place (each entry of chunks
+  is them, chunk_positions the rows' host ids [Bh, S * C]).
   linear_impl: the projections' matmuls (llama.LINEAR_IMPLS; StreamedAttention.linear_impl).
   -> (x, pool); the pool is donated (written in place)."""
   traces.record()
@@ -386,7 +401,10 @@ def _layers(cfg, stacked, native, linear_impl, lps, first, x, pool, rows: RowInp
     layer = first + i
     lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
     q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions, linear_impl)
-    if native:
+    if native == IN_PLACE:  # chunk_positions: the rows' host ids [Bh, S * C]
+      pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
+                                          host_table=chunk_positions)
+    elif native:
       pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
                                           chunk_positions.shape[1])
     else:
@@ -414,22 +432,6 @@ def _finish(cfg, topk, params, x, temperature, top_k, top_p, seed, counter):
   if not topk:
     return tokens, logits, ()
   return tokens, logits, top_candidates(logits, topk)
-
-
-BUFFER_ALIGN = 64  # bytes: XLA:CPU's alignment for a host array it can use in place
-
-
-def aligned_empty(shape, dtype, align: int = BUFFER_ALIGN) -> np.ndarray:
-  """np.empty(shape, dtype) starting on an `align`-byte boundary. numpy aligns large arrays to
-  16 bytes only; jax.device_put onto a CPU device then copies the array (SmolLM2's streamed
-  decode step: 47 MB, a third of its time), where an aligned one becomes the device buffer
-  itself (zero-copy; on an accelerator the transfer copies either way). Whoever refills the
-  array must first wait for every program that read it (StreamedAttention._run_batch does)."""
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(nbytes + align, np.uint8)
-  start = -raw.ctypes.data % align
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def step_bucket(steps: int) -> int:
@@ -499,13 +501,16 @@ class StreamedAttention:
     # they save on this CPU (SmolLM2, a long row and two ordinary decodes joined at 4 rows: an
     # iteration of 44 ms with XLA's dot, 56 ms with the kernel; the long row alone 33 / 35 ms).
     self.linear_impl = linear_impl
+    # On a CPU device, the native kernel reads host-RAM blocks in the store's own arrays
+    # (OffloadStore.in_place) instead of a gathered copy; False gathers them (a comparison).
+    self.read_in_place = True
     self.token_buckets, self.row_buckets = sorted(token_buckets), sorted(row_buckets)
     per_call = min(layers_per_call, cfg.num_layers)
     # (first layer, layers): at most two sizes, so at most two programs per shape.
     self.groups = [(first, min(per_call, cfg.num_layers - first))
                    for first in range(0, cfg.num_layers, per_call)]
     self._layers = None  # (params, [each group's layer params], stacked), for the last params
-    # On a CPU device the programs take the host buffers themselves, aligned (aligned_empty),
+    # On a CPU device the programs take the host buffers themselves, aligned (store.read_buffer),
     # without a copy or a device_put (which costs more than the call on this CPU).
     self._host_is_device = jax.default_backend() == 'cpu'
     self._layer_ids = [np.int32(i) for i in range(cfg.num_layers)]
@@ -576,18 +581,17 @@ class StreamedAttention:
             ids[i], logprobs[i] = cands[0][j], cands[1][j]
     return pool, tokens, np.stack(logits), streamed, (ids, logprobs) if topk else None
 
-  def _buffer(self, fields, parity: int, index: int, num_blocks: int):
+  def _buffer(self, store, parity: int, index: int, num_blocks: int):
     """The host arrays the `index`-th layer of a group is read into, num_blocks blocks as the
     pool stores them, in one of two sets (`parity`: groups alternate, so a group's reads fill
     one set while the program reading the other's transfer may still run). Made once per
     (parity, index, num_blocks) and reused: a fresh array per read would cost its page faults
     every time, more than the copy on this CPU. So host memory of about 2 x layers_per_call
     layers' reads per (step bucket, row bucket) met. Each array starts on a 64-byte boundary
-    (`aligned_empty`): XLA:CPU then takes it as a device buffer without copying it."""
+    (`store.read_buffer`): XLA:CPU then takes it as a device buffer without copying it."""
     key = (parity, index, num_blocks)
     if key not in self._buffers:
-      self._buffers[key] = {name: aligned_empty((num_blocks,) + tuple(shape[2:]), dtype)
-                            for name, (shape, dtype) in fields.items()}
+      self._buffers[key] = store.read_buffer(num_blocks)
     return self._buffers[key]
 
   def _run_batch(self, params, pool, store, rows: List[StreamedRow], num_tokens: int,
@@ -618,8 +622,19 @@ class StreamedAttention:
     self.counters['fold_steps'] += cfg.num_layers * steps.num_steps
     self.counters['padding_steps'] += cfg.num_layers * (bucket - steps.num_steps)
     group_params, stacked = self.layers(params)
-    fields = pool.block_array_shapes()  # before the pool is donated
     native = self.native and pool.scheme.kernel_native
+    # On a CPU device the native kernel reads host-RAM blocks where the store keeps them (its
+    # arrays are aligned, so the programs take them without a copy): nothing to gather.
+    in_place = (store.in_place(steps.ids, cfg.num_layers)
+                if native and self._host_is_device and self.read_in_place else None)
+    self.counters['batches_read_in_place'] += in_place is not None
+    if in_place is not None:  # each row's host ids in order: [Bh, S * C]
+      mode = IN_PLACE
+      step_positions = jax.device_put(np.ascontiguousarray(np.transpose(
+          steps.ids.reshape(bucket, host_rows, self.chunk_blocks), (1, 0, 2)).reshape(
+              host_rows, -1).astype(np.int32)))
+    else:
+      mode = native
 
     # Only the real steps' blocks are read: the padding steps (to the step bucket) are never
     # read by a program, so their part of a buffer keeps whatever it held.
@@ -627,7 +642,7 @@ class StreamedAttention:
 
     def start_reads(group):  # a disk store's reads run while the group before computes
       first, count = self.groups[group]
-      buffers = [self._buffer(fields, group % 2, i, len(steps.ids)) for i in range(count)]
+      buffers = [self._buffer(store, group % 2, i, len(steps.ids)) for i in range(count)]
       return [(store.start_read(first + i, steps.ids[:real],
                                 {name: a[:real] for name, a in buffer.items()}), buffer)
               for i, buffer in enumerate(buffers)]
@@ -635,13 +650,19 @@ class StreamedAttention:
     def as_steps(data):  # field -> [S * Bh * C, ...] -> [S, Bh * C, ...] (a view)
       return {name: a.reshape((bucket, -1) + a.shape[1:]) for name, a in data.items()}
 
-    streamed, pending = 0, start_reads(0)
+    streamed, pending = 0, start_reads(0) if in_place is None else []
     used = [None, None]  # the output of the program that last read each set of buffers
     x = _embed(cfg, params, token_ids)
-    for group, (first, _) in enumerate(self.groups):
+    for group, (first, count) in enumerate(self.groups):
+      if in_place is not None:  # the store's arrays, read in place: as many bytes, no copy
+        streamed += count * len(steps.ids) * store.layer_block_bytes
+        x, pool = _layers(cfg, stacked, mode, self.linear_impl, group_params[group],
+                          self._layer_ids[first], x, pool, inputs, (in_place,) * count,
+                          step_positions, num_steps)
+        continue
       # Programs run asynchronously, and the program two groups back may still read the
       # buffers these reads fill: on a CPU device they are its input arrays themselves (the
-      # transfer aliases them, aligned_empty). It must be done first. (Waiting only for that
+      # transfer aliases them, store.read_buffer). It must be done first. (Waiting only for that
       # transfer is not enough: greedy tokens of a 7-layer model came out wrong,
       # test_layer_groups_stream_every_layer_as_the_dense_model.)
       jax.block_until_ready(used[group % 2])
@@ -652,7 +673,7 @@ class StreamedAttention:
         chunks = jax.device_put(chunks)
       streamed += sum(a.nbytes for layer in chunks for a in layer.values())
       pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
-      x, pool = _layers(cfg, stacked, native, self.linear_impl, group_params[group],
+      x, pool = _layers(cfg, stacked, mode, self.linear_impl, group_params[group],
                         self._layer_ids[first], x, pool, inputs, chunks, step_positions,
                         num_steps)
       used[group % 2] = x
