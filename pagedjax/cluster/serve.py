@@ -180,7 +180,8 @@ class _Waiter:
   def __init__(self, loop, stream: bool, request: RoutedPrompt):
     self.loop, self.stream, self.queue, self.sent = loop, stream, asyncio.Queue(), 0
     self.request_id, self.times = request.request_id, request.times
-    self.compile_s = None  # the engine's compile seconds when it was submitted
+    self.compile_at_submit = None  # the engine's compile seconds when it was submitted
+    self.compile_s = None  # those its engine spent from then to its first token
 
   def put(self, item) -> None:
     self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -313,7 +314,7 @@ class EngineReplica:
           continue
         if request.route is not None:  # the chain keys the router computed: not hashed again
           self.keys_handed += request.route.hand_keys(self.engine, rid)
-        waiter.compile_s = self.engine.stats['compile_seconds']
+        waiter.compile_at_submit = self.engine.stats['compile_seconds']
         request.times['submitted'] = time.time()
         self.waiters[rid] = waiter
 
@@ -347,7 +348,7 @@ class EngineReplica:
       times['scheduled'] = started
     if sampled and 'first_token' not in times:
       times['first_token'] = now
-      waiter.compile_s = self.engine.stats['compile_seconds'] - waiter.compile_s
+      waiter.compile_s = self.engine.stats['compile_seconds'] - waiter.compile_at_submit
 
   def _first(self, waiter: _Waiter) -> dict:
     """What a request's first answer adds: its stamps, and the compile seconds between its
