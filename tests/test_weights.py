@@ -419,6 +419,43 @@ def test_unwritable_cache_costs_a_warning_not_the_run(tiny_source, tmp_path, cap
   _assert_same(params, fresh)
 
 
+def test_restores_of_one_entry_run_side_by_side(tiny_source, tmp_path, monkeypatch):
+  # An entry already written: two loaders restoring it at once hold the lock shared, so their
+  # restores overlap (with the exclusive lock of a conversion, the second would wait).
+  path, fresh_cfg, fresh = tiny_source
+  cache = str(tmp_path / 'cache')
+  weights.load_model('gguf', path, cache)  # converts and writes the entry
+  restore, inside, most = weights._restore_verified, [0], [0]
+  count = threading.Lock()
+
+  def slow_restore(*args):
+    with count:
+      inside[0] += 1
+      most[0] = max(most[0], inside[0])
+    time.sleep(0.3)
+    try:
+      return restore(*args)
+    finally:
+      with count:
+        inside[0] -= 1
+  monkeypatch.setattr(weights, '_restore_verified', slow_restore)
+  monkeypatch.setattr(weights, '_convert', lambda *a: pytest.fail('converted again'))
+  barrier, results = threading.Barrier(2), []
+
+  def load():
+    barrier.wait()
+    results.append(weights.load_model('gguf', path, cache))
+  loaders = [threading.Thread(target=load) for _ in range(2)]
+  for t in loaders:
+    t.start()
+  for t in loaders:
+    t.join()
+  assert most[0] == 2 and len(results) == 2
+  for cfg, params in results:
+    assert cfg == fresh_cfg
+    _assert_same(params, fresh)
+
+
 def test_processes_loading_one_entry_at_once_convert_it_once(tiny_source, tmp_path, monkeypatch):
   # Two loaders (threads here: each opens the lock file itself, as a process would) start at
   # once on an empty cache; the first converts while holding ENTRY.lock, the second waits and

@@ -610,9 +610,16 @@ def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str]
     return cfg, jax.device_put(params)
   fingerprint = source_fingerprint(source, path)
   entry = os.path.join(os.path.abspath(cache_dir), f'{source}-{_entry_key(fingerprint)}')
-  with _converting(entry):  # processes loading the same entry at once: one converts
-    invalid = False
+  with _locked(entry, exclusive=False):  # restores run side by side
     if os.path.lexists(entry):
+      try:
+        cfg, params, digest = _restore_verified(entry, fingerprint)
+        return cfg, remember_digest(jax.device_put(params), digest)
+      except CacheEntryInvalid:
+        pass  # checked again below, under the exclusive lock
+  with _locked(entry, exclusive=True):  # processes converting the same entry: one does
+    invalid = False
+    if os.path.lexists(entry):  # written, or rewritten, by another process meanwhile?
       try:
         cfg, params, digest = _restore_verified(entry, fingerprint)
         return cfg, remember_digest(jax.device_put(params), digest)
@@ -633,11 +640,13 @@ def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str]
 
 
 @contextlib.contextmanager
-def _converting(entry: str):
-  """An exclusive lock on `entry` (ENTRY.lock, beside it) while a process checks, converts and
-  writes it, so processes that start at once (test workers, a sweep's subprocesses) convert
-  the source once and the others restore what it wrote. Where the lock cannot be made (a
-  read-only cache directory), no lock: each process converts, as it would have."""
+def _locked(entry: str, exclusive: bool):
+  """A lock on `entry` (ENTRY.lock, beside it): shared while a process restores it, so
+  restores run side by side, and exclusive while one checks, converts and writes it, so
+  processes that start at once (test workers, a sweep's subprocesses) convert the source once
+  and the others restore what it wrote (never a half-written entry: a writer holds the
+  exclusive lock). Where the lock cannot be made (a read-only cache directory), no lock: each
+  process converts, as it would have."""
   try:
     os.makedirs(os.path.dirname(entry), exist_ok=True)
     fd = os.open(entry + '.lock', os.O_RDWR | os.O_CREAT, 0o644)
@@ -647,7 +656,7 @@ def _converting(entry: str):
     yield
     return
   try:
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
     yield
   finally:
     os.close(fd)  # releases the lock
