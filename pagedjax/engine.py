@@ -158,6 +158,8 @@ class Engine:
     offload = Offload.from_config(self.executor.pool.block_array_shapes(), self.block_manager,
                                   off, self.max_seq_len, config.prefix_cache)
     self.executor.offload = self.block_manager.offload = offload
+    if offload.index is not None:  # its entries are KV events too (offload_index.py)
+      offload.index.events = self.prefix_cache.events
     self.executor.streamed = StreamedAttention(model_cfg, self.block_size, off.device_blocks,
                                                off.chunk_blocks, self.executor.token_buckets,
                                                self.executor.batch_buckets, off.layers_per_call,

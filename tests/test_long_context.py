@@ -23,7 +23,9 @@ from pagedjax.config import ConfigError, OffloadConfig
 from pagedjax.device import pool as pool_lib
 from pagedjax.device.kv_schemes import KVQuantConfig
 from pagedjax.model import streamed_attention as sa
+from pagedjax.cluster.index import KVIndex
 from pagedjax.engine import Engine
+from pagedjax.host import kv_events
 from pagedjax.host.requests.intake import RequestError
 from pagedjax.host.requests.sampling_params import SamplingParams
 from pagedjax.host.scheduling import offload_store
@@ -206,6 +208,7 @@ def test_a_follow_up_turn_over_a_long_document_hits_its_offloaded_blocks(referen
   # Every output equals the all-device engine without a cache.
   engine = _engine(POOL_BLOCKS + 1, dataclasses.replace(OFFLOAD, host_blocks=40),
                    prefix_caching=True)
+  log = engine.prefix_cache.events.subscribe(kv_events.EventLog())  # the index's entries too
   doc, other = prompts([110, 230], seed=4)
   greedy = SamplingParams(max_new_tokens=6)
   first = _solo(engine, doc, greedy)
@@ -213,6 +216,9 @@ def test_a_follow_up_turn_over_a_long_document_hits_its_offloaded_blocks(referen
   figures = engine.offload.figures()
   assert figures['offload_cached_blocks'] == figures['offload_idle_blocks'] == 115 // BLOCK
   assert engine.offload.allocator.num_used == 14 and engine.offload.available == 40
+  index = KVIndex()
+  index.apply(0, log.drain(0.0))
+  assert index.num_blocks(0, kv_events.MEDIUM_CPU) == 14
 
   follow_up = doc + first.output_ids + prompts([9], seed=5)[0]
   sampled = SamplingParams(max_new_tokens=5, n=2, temperature=0.9, top_k=20, seed=2)
@@ -229,6 +235,8 @@ def test_a_follow_up_turn_over_a_long_document_hits_its_offloaded_blocks(referen
   figures = engine.offload.figures()
   assert figures['offload_prefix_evictions'] > 0 and figures['offload_cached_blocks'] <= 40
   assert engine.offload.allocator.num_used == figures['offload_cached_blocks']
+  index.apply(0, log.drain(1.0))  # evictions are BlockRemoved: the index follows the store
+  assert index.num_blocks(0, kv_events.MEDIUM_CPU) == figures['offload_cached_blocks']
   before = dict(engine.stats)
   _same(_solo(engine, follow_up, greedy), _solo(reference, follow_up, greedy))
   computed = engine.stats['prompt_tokens_computed'] - before['prompt_tokens_computed']

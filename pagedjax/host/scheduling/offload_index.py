@@ -19,9 +19,15 @@ Blocks come in when they move out of a sequence's window (`store`), and, when a 
 finishes, the full blocks its window still holds on the device are copied out to join them
 (offload.py `keep_window`), so a follow-up turn over the whole context finds every full block of
 it here. Lookups walk a prompt's blocks in order and stop at the first miss.
+
+KV events (kv_events.py): with a listener on the engine's hub, an entry added is a BlockStored
+and an evicted one a BlockRemoved, in medium 'CPU' (host RAM) or 'DISK' (the disk tier), as
+the KV tiers' entries are; an indexer then sees these blocks too (only an offloaded request
+uses them: an ordinary one does not look in the offload store).
 """
 from typing import Dict, List, Optional, Tuple
 
+from pagedjax.host import kv_events
 from pagedjax.host import policies
 from pagedjax.host.cache.prefix_cache import block_content, chain_keys
 
@@ -36,6 +42,10 @@ class OffloadIndex:
     self._block: Dict[int, int] = {}  # chain key -> block
     self._entry: Dict[int, Tuple[int, Tuple]] = {}  # block -> (chain key, content)
     self.hit_blocks = self.evictions = 0
+    # The engine's KV events hub (kv_events.py; the prefix cache's, set by the engine): an
+    # entry added is a BlockStored, one evicted a BlockRemoved, in the medium of the block's
+    # tier ('CPU' for host RAM, 'DISK' for the disk tier). None or no listener: nothing built.
+    self.events = None
 
   def __len__(self) -> int:
     return len(self._entry)
@@ -89,7 +99,13 @@ class OffloadIndex:
     self._entry[block] = (keys[logical], self._content(seq, keys, logical))
     self.allocator.share(block)
     self.queue.add(block, logical, keys[logical])
+    if self.events:
+      self.events.stored(self._medium(block), keys[logical], self._entry[block][1])
     return True
+
+  def _medium(self, block: int) -> str:
+    return kv_events.MEDIUM_CPU if self.allocator.tier_of(block) == 'host' else (
+        kv_events.MEDIUM_DISK)
 
   def released(self, blocks: List[int]) -> None:
     """Sequences dropped these blocks (after the allocator freed their references): each
@@ -112,6 +128,8 @@ class OffloadIndex:
     self.queue.remove(block)
     key, _ = self._entry.pop(block)
     del self._block[key]
+    if self.events:
+      self.events.removed(self._medium(block), key)
     self.allocator.free([block])
     self.evictions += 1
     return block
