@@ -23,8 +23,9 @@ demoting a device block gives Removed(GPU) when the device cache evicts it and S
 its bytes land in host RAM (the same iteration); tiers are inclusive (kv_tiers.py), so a
 promotion is a Stored(GPU) while the lower copy stays.
 
-Who emits: the device cache (prefix_cache.CacheBase: a newly cached full block, an evicted one)
-and each lower tier's index (tier_index.TierIndex: an entry committed, an entry removed), all
+Who emits: the device cache (prefix_cache.CacheBase: a newly cached full block, an evicted one),
+each lower tier's index (tier_index.TierIndex: an entry committed, an entry removed) and the
+offload store's index (scheduling/offload_index.py: an offloaded block indexed, one evicted), all
 into one KVEvents hub per engine, `engine.prefix_cache.events` (kv_tiers.KVTiers.attach hands
 the cache's hub to the tiers). Each site is one line guarded by the hub's truth value, which is
 false while nobody listens: an engine without subscribers builds no event and calls nothing.
