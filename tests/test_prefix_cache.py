@@ -13,7 +13,6 @@ from pagedjax.host.cache import prefix_cache
 from pagedjax.host.cache.prefix_cache import PrefixCache, block_content, chain_keys, make_prefix_cache
 from pagedjax.host.cache.radix_cache import RadixCache
 from pagedjax.host.requests.sampling_params import SamplingParams
-from pagedjax.host.scheduling import offload_index
 from pagedjax.host.scheduling.offload_index import OffloadIndex
 from pagedjax.host.scheduling.offload_store import OffloadIds
 
@@ -120,7 +119,7 @@ def test_the_offload_index_holds_its_blocks_and_evicts_only_idle_ones():
 
 def test_offload_index_collisions_miss_instead_of_sharing(monkeypatch):
   """Every key collides: a hit on an offloaded block still needs the same tokens and parent."""
-  monkeypatch.setattr(offload_index, 'chain_keys', lambda ids, bs, n, salt=None, parent=None,
+  monkeypatch.setattr(prefix_cache, 'chain_keys', lambda ids, bs, n, salt=None, parent=None,
                       start=0: [7] * (n - start))
   ids = OffloadIds(4, 0, 'host')
   index = OffloadIndex(ids, 2, 'lru')

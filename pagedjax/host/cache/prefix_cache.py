@@ -107,6 +107,23 @@ def chain_keys(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=
   return keys
 
 
+def sequence_keys(seq, n: int, block_size: int) -> List[int]:
+  """Chain keys of a sequence's first n full blocks, kept on it (Sequence.block_keys: its
+  tokens only ever grow), so every cache and index of an engine computes each key once."""
+  have = len(seq.block_keys)
+  if have < n:
+    parent = seq.block_keys[-1] if have else None
+    seq.block_keys += chain_keys(seq.all_ids, block_size, n, seq.params.cache_salt, parent,
+                                 have)
+  return seq.block_keys[:n]
+
+
+def sequence_block_content(seq, keys: List[int], i: int, block_size: int) -> Tuple:
+  """block_content() of a sequence's full block i, given the chain keys of its blocks 0..i-1."""
+  tokens = seq.all_ids[i * block_size:(i + 1) * block_size]
+  return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+
+
 class CacheBase:
   """What both designs share: the evictable set under a policy, and the hit figures.
 
@@ -203,18 +220,10 @@ class CacheBase:
     self.hit_tokens += hit_blocks * self.block_size
 
   def keys(self, seq, n: int) -> List[int]:
-    """Chain keys of seq's first n full blocks (kept on seq: its tokens only ever grow)."""
-    have = len(seq.block_keys)
-    if have < n:
-      parent = seq.block_keys[-1] if have else None
-      seq.block_keys += chain_keys(seq.all_ids, self.block_size, n, seq.params.cache_salt,
-                                   parent, have)
-    return seq.block_keys[:n]
+    return sequence_keys(seq, n, self.block_size)
 
   def content(self, seq, keys: List[int], i: int) -> Tuple:
-    """block_content() of seq's full block i, given the chain keys of its blocks 0..i-1."""
-    tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
-    return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+    return sequence_block_content(seq, keys, i, self.block_size)
 
   def _cached(self, block: int, key: int, content: Tuple, depth: int) -> None:
     """A new entry, at block index `depth` of its prompt: the eviction policy learns of it, and

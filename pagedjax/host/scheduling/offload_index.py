@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 from pagedjax.host import kv_events
 from pagedjax.host import policies
-from pagedjax.host.cache.prefix_cache import block_content, chain_keys
+from pagedjax.host.cache import prefix_cache
 
 
 class OffloadIndex:
@@ -57,16 +57,10 @@ class OffloadIndex:
 
   def keys(self, seq, n: int) -> List[int]:
     """Chain keys of seq's first n full blocks, kept on seq (the device caches' keys)."""
-    have = len(seq.block_keys)
-    if have < n:
-      parent = seq.block_keys[-1] if have else None
-      seq.block_keys += chain_keys(seq.all_ids, self.block_size, n, seq.params.cache_salt,
-                                   parent, have)
-    return seq.block_keys[:n]
+    return prefix_cache.sequence_keys(seq, n, self.block_size)
 
   def _content(self, seq, keys: List[int], i: int) -> Tuple:
-    tokens = seq.all_ids[i * self.block_size:(i + 1) * self.block_size]
-    return block_content(keys[i - 1] if i else None, tokens, seq.params.cache_salt)
+    return prefix_cache.sequence_block_content(seq, keys, i, self.block_size)
 
   def match(self, seq, n: int) -> List[int]:
     """The blocks of seq's longest indexed prefix among its first n full blocks."""
