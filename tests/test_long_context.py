@@ -264,12 +264,14 @@ def test_a_recomputed_offloaded_sequence_takes_back_its_own_blocks(reference):
 @pytest.mark.parametrize('design', ['hash', 'radix'])
 def test_offloaded_prefix_hits_for_a_quantized_pool_with_kivi_keys(design):
   # int4 with KIVI keys (a partial block's keys in a per-lane tail): the follow-up starts at a
-  # block boundary on blocks taken from the store; greedy tokens as an all-device engine's
-  # without a cache (tests/test_scheme_identity.py: tokens do not depend on the write path).
+  # block boundary on blocks taken from the store; greedy tokens as the same offloaded engine's
+  # without a cache, which gives the all-device tokens
+  # (test_kivi_keys_and_a_recent_window_give_the_all_device_tokens; tests/test_scheme_identity.py:
+  # tokens do not depend on the write path). One pool shape: the programs compile once.
   spec = KVQuantConfig('int4', 6, key_per_channel=True)
   doc, question = prompts([100], seed=41)[0], prompts([7], seed=42)[0]
   greedy = SamplingParams(max_new_tokens=5)
-  reference = _engine(20, kv_quant=spec)
+  reference = _engine(POOL_BLOCKS + 1, OFFLOAD, kv_quant=spec)
   engine = _engine(POOL_BLOCKS + 1, OFFLOAD, kv_quant=spec, prefix_caching=True,
                    prefix_cache_design=design)
   first = _solo(engine, doc, greedy)
