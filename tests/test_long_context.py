@@ -407,8 +407,19 @@ def test_kivi_keys_and_a_recent_window_give_the_all_device_tokens():
   reference = _engine(17, kv_quant=spec, preemption='recompute', prefill_chunk=1,
                       decode_min_rows=1)
   offloaded = _engine(POOL_BLOCKS + 1, OFFLOAD, kv_quant=spec, preemption='recompute')
-  _same(_solo(offloaded, prompt, params), _solo(reference, prompt, params))
+  # Beside it an ordinary request, submitted once the long one decodes: its decode rows join
+  # the streamed programs (offload.join_decodes) with their own lane's tail and rings.
+  short = prompts([6], seed=6)[0]
+  want = [_solo(reference, prompt, params), _solo(reference, short, params)]
+  ids = [offloaded.submit(prompt, params)]
+  while not any(s.output_ids for s in offloaded.running):
+    offloaded.step()
+  ids.append(offloaded.submit(short, params))
+  offloaded.run()
+  for i, w in zip(ids, want):
+    _same(offloaded.finished[i], w)
   assert offloaded.stats['streamed_tokens'] == 120 - 2 * BLOCK + 8 - 1
+  assert offloaded.stats['joined_decode_rows'] > 0
 
 
 def test_offload_instead_of_preempting(reference):
