@@ -611,9 +611,23 @@ class StreamedAttention:
     steps = fold_steps([r.host_table for r in rows[:with_host]], host_rows, self.chunk_blocks,
                        self.block_size)
     bucket = len(steps.positions)
+    native = self.native and pool.scheme.kernel_native
+    # On a CPU device the native kernel reads host-RAM blocks where the store keeps them (its
+    # arrays are aligned, so the programs take them without a copy): nothing to gather. The
+    # programs then take each row's host ids in order, [Bh, S * C], for the fold steps'
+    # positions.
+    in_place = (store.in_place(steps.ids, cfg.num_layers)
+                if native and self._host_is_device and self.read_in_place else None)
+    if in_place is not None:
+      mode, positions = IN_PLACE, np.ascontiguousarray(np.transpose(
+          steps.ids.reshape(bucket, host_rows, self.chunk_blocks), (1, 0, 2)).reshape(
+              host_rows, -1).astype(np.int32))
+    else:
+      mode, positions = native, steps.positions
     # The batch's inputs go to the device once, not once per layer group.
     inputs, step_positions, num_steps = jax.device_put(
-        (RowInputs(*host), steps.positions, np.int32(steps.num_steps)))
+        (RowInputs(*host), positions, np.int32(steps.num_steps)))
+    self.counters['batches_read_in_place'] += in_place is not None
     self.counters['batches'] += 1
     self.counters[f'batches_of_{len(rows)}_rows'] += 1
     self.counters['padding_rows'] += num_rows - len(rows)
@@ -622,19 +636,6 @@ class StreamedAttention:
     self.counters['fold_steps'] += cfg.num_layers * steps.num_steps
     self.counters['padding_steps'] += cfg.num_layers * (bucket - steps.num_steps)
     group_params, stacked = self.layers(params)
-    native = self.native and pool.scheme.kernel_native
-    # On a CPU device the native kernel reads host-RAM blocks where the store keeps them (its
-    # arrays are aligned, so the programs take them without a copy): nothing to gather.
-    in_place = (store.in_place(steps.ids, cfg.num_layers)
-                if native and self._host_is_device and self.read_in_place else None)
-    self.counters['batches_read_in_place'] += in_place is not None
-    if in_place is not None:  # each row's host ids in order: [Bh, S * C]
-      mode = IN_PLACE
-      step_positions = jax.device_put(np.ascontiguousarray(np.transpose(
-          steps.ids.reshape(bucket, host_rows, self.chunk_blocks), (1, 0, 2)).reshape(
-              host_rows, -1).astype(np.int32)))
-    else:
-      mode = native
 
     # Only the real steps' blocks are read: the padding steps (to the step bucket) are never
     # read by a program, so their part of a buffer keeps whatever it held.
