@@ -207,7 +207,8 @@ class PlanExecutor:
     streamed = [(s, n) for s, n in plan.rows if s.host_table]
     joined = self._joining(batched, streamed)
     if joined:
-      batched = [row for row in batched if not any(row[0] is s for s, _ in joined)]
+      joining = {id(s) for s, _ in joined}
+      batched = [(s, n) for s, n in batched if id(s) not in joining]
     for kind, rows in (('prefill', [(s, n) for s, n in batched if n > 1]),
                        ('decode', [(s, n) for s, n in batched if n == 1])):
       if rows:

@@ -76,7 +76,7 @@ class Offload:
                chunk_blocks: int, instead_of_preempting: bool, max_seq_len: int,
                disk_blocks: int = 0, disk_kvstore: str = '', placement: str = 'host',
                decode_every: int = 1, prefix_cache_eviction: Optional[str] = None,
-               join_decodes: bool = False):
+               join_decodes: bool = True):
     """prefix_cache_eviction: the prefix cache's eviction policy when the engine caches
     prefixes and offloaded blocks join them (offload.cache_blocks): their index's idle blocks
     go in its order (offload_index.py); None = no index."""

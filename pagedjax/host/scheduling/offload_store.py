@@ -196,8 +196,7 @@ class OffloadStore:
     self.host_blocks = host_blocks
     self.allocator = OffloadIds(host_blocks, disk_blocks, placement)
     # Host block 0 stays zeros: the padding of a short chunk, whatever tier the rest is on.
-    # Each array starts on a RAM_ALIGN boundary, so a layer's slice whose size is a multiple of
-    # it does too (`in_place`).
+    # Each array starts on a RAM_ALIGN boundary: a CPU program takes it in place (`in_place`).
     self._ram = {name: aligned_array((shape[0], host_blocks + 1) + tuple(shape[2:]), dtype,
                                      zeros=True)
                  for name, (shape, dtype) in block_array_shapes.items()}
