@@ -459,14 +459,17 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
     engine.offload.join_decodes = True
     separate += tpots
     separate_tokens.append(tokens)
+
+  def rise(tpots):  # median TPOT over the median alone, less one (None without ordinary ones)
+    return float(np.median(tpots) / np.median(alone) - 1) if alone else None
+
   spread = []  # offload.decode_every: the long request decodes on one iteration in k
   for every in lc.beside_decode_every:
     engine.offload.decode_every = every
     tpots, tokens, long_tpot = together()
     spread.append({'decode_every': every, 'tpot_ms_median': float(np.median(tpots)) if tpots
                    else None,
-                   'tpot_rise': (float(np.median(tpots) / np.median(alone) - 1) if alone
-                                 else None),
+                   'tpot_rise': rise(tpots),
                    'long_tpot_ms': long_tpot, 'long_tokens_identical': tokens == long_tokens})
   engine.offload.decode_every = 1
   one, _ = decode_steps([ids])
@@ -476,14 +479,12 @@ def beside(model_cfg, params, typed, step_fn, tokenizer, eos_id, ids, second_ids
           'tpot_ms_alone': alone, 'tpot_ms_beside_long': beside_long,
           'tpot_ms_alone_median': float(np.median(alone)) if alone else None,
           'tpot_ms_beside_long_median': float(np.median(beside_long)) if alone else None,
-          'tpot_rise': (float(np.median(beside_long) / np.median(alone) - 1) if alone
-                        else None),
+          'tpot_rise': rise(beside_long),
           'long_tokens': long_tokens, 'decode_every': spread,
           'join_decodes': engine.offload.join_decodes,
           'tpot_ms_separate_pass': separate,
           'tpot_ms_separate_pass_median': float(np.median(separate)) if separate else None,
-          'tpot_rise_separate_pass': (float(np.median(separate) / np.median(alone) - 1)
-                                      if alone else None),
+          'tpot_rise_separate_pass': rise(separate),
           'separate_pass_tokens_identical': all(t == long_tokens for t in separate_tokens),
           'rounds': lc.repeats}
   pair = {'window_blocks': lc.beside_window, 'step_ms_one_long': one,
