@@ -13,8 +13,8 @@
 // thread pool (the FFI's ThreadPool context, as the attention kernel does); the calling thread is
 // one of the workers. Blocks are a multiple of the widest register tile, about four per thread
 // so uneven tasks even out, and no smaller than kMinBlockColumns. The body
-// (linear_cpu_body.inc) is compiled for the baseline ISA and for AVX2 + FMA; the copy this CPU
-// runs is picked once at load time.
+// (linear_cpu_body.inc) is compiled for the baseline ISA, for AVX2 + FMA and for AVX-512 (whose
+// packed path alone runs); the copy this CPU runs is picked once at load time.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +31,9 @@ namespace pagedjax_cpu {
 
 namespace generic {
 #define PAGEDJAX_AVX2 0
+#define PAGEDJAX_AVX512 0
 #include "linear_cpu_body.inc"
+#undef PAGEDJAX_AVX512
 #undef PAGEDJAX_AVX2
 }  // namespace generic
 
@@ -42,20 +44,43 @@ namespace generic {
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 #define PAGEDJAX_AVX2 1
+#define PAGEDJAX_AVX512 0
 #include "linear_cpu_body.inc"
+#undef PAGEDJAX_AVX512
 #undef PAGEDJAX_AVX2
 }  // namespace avx2
 #pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace avx512 {
+#define PAGEDJAX_AVX2 1
+#define PAGEDJAX_AVX512 1
+#include "linear_cpu_body.inc"
+#undef PAGEDJAX_AVX512
+#undef PAGEDJAX_AVX2
+}  // namespace avx512
+#pragma GCC pop_options
 #endif
 
-bool linear_uses_avx2() {
+// The copy of the body this process runs: 0 baseline, 1 AVX2 + FMA, 2 AVX-512 for packed W
+// (AVX2 elsewhere). The best the CPU has, picked at load time; LinearCpuUseIsa lowers it (tests
+// and benchmarks run every copy in one process).
+int best_isa() {
 #ifdef PAGEDJAX_HAVE_AVX2_COPY
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+  static const int best = !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 0
+                          : __builtin_cpu_supports("avx512f") ? 2 : 1;
+  return best;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+int& isa_in_use() {
+  static int isa = best_isa();
+  return isa;
+}
+
+bool linear_uses_avx2() { return isa_in_use() >= 1; }
 
 using ColumnsFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*,
                            int64_t, int64_t);
@@ -76,12 +101,27 @@ ColumnsFn columns_for(bool transposed) {
 
 ColumnsFn packed_for() {
 #ifdef PAGEDJAX_HAVE_AVX2_COPY
-  if (linear_uses_avx2()) return avx2::columns_packed;
+  if (isa_in_use() == 2) return avx512::columns_packed;
+  if (isa_in_use() == 1) return avx2::columns_packed;
 #endif
   return generic::columns_packed;
 }
 
-constexpr int64_t kStrip = generic::kStrip;  // the packed layout's strip width (both copies)
+// The packed layout's strip width and the columns a packed task's block is a multiple of, for
+// the copy in use (8; AVX-512: 16).
+int64_t packed_strip() {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  if (isa_in_use() == 2) return avx512::kStrip;
+#endif
+  return generic::kStrip;
+}
+
+int64_t packed_quantum() {
+#ifdef PAGEDJAX_HAVE_AVX2_COPY
+  if (isa_in_use() == 2) return avx512::kPackedQuantum;
+#endif
+  return generic::kPackedQuantum;
+}
 
 constexpr int64_t kMinBlockColumns = 32;
 // W [K, N] with at most kStreamMaxRows rows of x: tasks of kStreamK rows of W each (a fixed
@@ -175,7 +215,7 @@ ffi::Error shape_error(int64_t M, int64_t K, ffi::AnyBuffer::Dimensions wd, int6
 ffi::Error LinearPacked(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K,
                         ffi::AnyBuffer::Dimensions wd, int64_t transposed, const float* wp,
                         ffi::AnyBuffer::Dimensions yd, float* out) {
-  const int64_t N = yd[1];
+  const int64_t N = yd[1], kStrip = packed_strip();
   if (transposed || wd[0] != (N + kStrip - 1) / kStrip || wd[1] != K || wd[2] != kStrip ||
       yd[0] != M) {
     return ffi::Error::InvalidArgument(
@@ -191,7 +231,11 @@ ffi::Error LinearPacked(ffi::ThreadPool& pool, const float* xp, int64_t M, int64
     return ffi::Error::Success();
   }
   const ColumnsFn columns = packed_for();
-  const int64_t cols = block_columns(N, pool.num_threads());  // a multiple of kStrip
+  // Blocks of whole pieces (packed_quantum columns), about four per thread.
+  const int64_t quantum = packed_quantum();
+  const int64_t pieces = (N + quantum - 1) / quantum;
+  const int64_t tasks = std::min<int64_t>(pieces, 4 * std::max<int64_t>(1, pool.num_threads()));
+  const int64_t cols = (pieces + tasks - 1) / tasks * quantum;  // a multiple of the strip
   parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
     columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));
   });
@@ -285,3 +329,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearMultiCpu, pagedjax_cpu::LinearMulti,
 
 // Which copy of the kernel body this CPU runs (kernels/linear_cpu.py reports it): 1 for AVX2.
 extern "C" int LinearCpuUsesAvx2() { return pagedjax_cpu::linear_uses_avx2() ? 1 : 0; }
+
+// The copy in use (0 baseline, 1 AVX2, 2 AVX-512 for packed W), the best this CPU runs, and the
+// packed layout's strip width for the copy in use (linear_cpu.py pack lays W out for it).
+extern "C" int LinearCpuIsa() { return pagedjax_cpu::isa_in_use(); }
+extern "C" int LinearCpuBestIsa() { return pagedjax_cpu::best_isa(); }
+extern "C" int LinearCpuPackedStrip() { return int(pagedjax_cpu::packed_strip()); }
+
+// Runs copy `isa` from now on (at most the best; returns the copy then in use). Packed copies
+// made for another strip width are refused by the handler's shape check, never misread.
+extern "C" int LinearCpuUseIsa(int isa) {
+  pagedjax_cpu::isa_in_use() = std::max(0, std::min(isa, pagedjax_cpu::best_isa()));
+  return pagedjax_cpu::isa_in_use();
+}
