@@ -27,13 +27,15 @@ instead of one per matmul, each result bit-identical to its own call. It is opt-
 profile predicts (experiments/profile_decode.py: the pool's dispatch is a few microseconds of
 each call, the kernel's time is its reading of W).
 
-`pack(w)` repacks a Dense kernel [K, N] once into strips of STRIP columns ([ceil(N / STRIP), K,
-STRIP]: each strip's columns row after row, the last strip zero-padded), a `Packed` that
+`pack(w)` repacks a Dense kernel [K, N] once into strips of S = strip() columns ([ceil(N / S),
+K, S]: each strip's columns row after row, the last strip zero-padded), a `Packed` that
 `linear` / `kernel` take in w's place at any row count: every register tile then reads W as one
 sequential run per vector of columns instead of pieces N floats apart, which the hardware
-prefetchers follow (experiments/bench_linear.py; docs/decode_speed.md). Same sums as the
-in-place kernel from 3 rows (k = 0, 1, ... with fused multiply-adds), so bit for bit its
-results there. The copy is as large as W: the caller packs once per params object and keeps it.
+prefetchers follow (experiments/bench_linear.py; docs/decode_speed.md). S is 16 where the CPU
+has AVX-512 (the kernel then reads packed W with 16-float vectors, 16 x 1 register tiles), 8
+otherwise. Same sums as the in-place kernel from 3 rows (k = 0, 1, ... with fused multiply-adds,
+whatever the vector width), so bit for bit its results there. The copy is as large as W: the
+caller packs once per params object and keeps it.
 
 LINEAR_IMPLS: 'xla' (jnp / lax dots), 'cpu' (this kernel for calls of MIN_ROWS to MAX_ROWS rows,
 XLA's dots otherwise), 'cpu_fused' ('cpu' with q/k/v and gate/up each as one linear_many call:
@@ -60,25 +62,51 @@ KERNEL_IMPLS = ('cpu', 'cpu_fused', 'cpu_packed')  # the impls that run the kern
 # kernel is not faster; at one row XLA's own matrix-vector loop measured faster than the
 # kernel's (docs/decode_speed.md), so a lone decode row keeps it too.
 MIN_ROWS, MAX_ROWS = 2, 64
-STRIP = 8  # columns per strip of the packed layout (kStrip in csrc/linear_cpu_body.inc)
+ISAS = ('baseline', 'avx2', 'avx512')  # the kernel body's copies (csrc/linear_cpu.cc), in order
+
+
+def strip() -> int:
+  """Columns per strip of the packed layout for the kernel copy in use (kStrip in
+  csrc/linear_cpu_body.inc): 16 with AVX-512, else 8."""
+  lib = _load()[0]
+  return int(lib.LinearCpuPackedStrip()) if lib is not None else 8
+
+
+def isa() -> str:
+  """The kernel copy this process runs (ISAS): the best the CPU has unless use_isa lowered it."""
+  lib = _load()[0]
+  return ISAS[lib.LinearCpuIsa()] if lib is not None else 'baseline'
+
+
+def use_isa(name: str) -> str:
+  """Runs the kernel copy `name` (ISAS; at most the CPU's best) from now on and returns the copy
+  then in use. Packed copies made before for another strip width are refused by the kernel
+  (a shape error), never misread: pack again after a change. For tests and benchmarks."""
+  if name not in ISAS:
+    raise ValueError(f'use_isa: {name!r} is not allowed: one of {ISAS}')
+  lib = _load()[0]
+  if lib is None:
+    raise RuntimeError(f'the native linear kernel is unavailable: {unavailable_reason()}')
+  return ISAS[lib.LinearCpuUseIsa(ISAS.index(name))]
 
 
 @jax.tree_util.register_pytree_node_class
 class Packed:
-  """A Dense kernel [K, N] as `pack` lays it out: strips [ceil(N / STRIP), K, STRIP] float32,
-  held as `data`, an array of shape [K, ceil(N / STRIP) * STRIP] whose memory is those strips
-  (so that where N is a multiple of STRIP, a flax nn.Dense takes it in its kernel's place: flax
-  checks the shape of a param's leaves; llama.dense lets it through), and N (static: jit sees
-  only `data`). A pytree, so it passes through jit and params trees."""
+  """A Dense kernel [K, N] as `pack` lays it out: strips [ceil(N / S), K, S] float32 (S the
+  strip width it was packed for, strip()), held as `data`, an array of shape [K, ceil(N / S) * S]
+  whose memory is those strips (so that where N is a multiple of S, a flax nn.Dense takes it in
+  its kernel's place: flax checks the shape of a param's leaves; llama.dense lets it through),
+  and N and S (static: jit sees only `data`). A pytree, so it passes through jit and params
+  trees."""
 
-  def __init__(self, data, n: int):
-    self.data, self.n = data, int(n)
+  def __init__(self, data, n: int, strip_width: int = 8):
+    self.data, self.n, self.strip = data, int(n), int(strip_width)
 
   @property
   def strips(self):
-    """[ceil(N / STRIP), K, STRIP]: `data` reshaped (in a jitted program, no copy)."""
+    """[ceil(N / S), K, S]: `data` reshaped (in a jitted program, no copy)."""
     k = self.data.shape[0]
-    return self.data.reshape(-1, k, STRIP)
+    return self.data.reshape(-1, k, self.strip)
 
   @property
   def shape(self):
@@ -99,11 +127,11 @@ class Packed:
     return jnp.transpose(self.strips, (1, 0, 2)).reshape(k, -1)[:, :self.n]
 
   def tree_flatten(self):
-    return (self.data,), self.n
+    return (self.data,), (self.n, self.strip)
 
   @classmethod
-  def tree_unflatten(cls, n, children):
-    return cls(children[0], n)
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
 
 
 def pack(w, *, transposed=False) -> Packed:
@@ -114,10 +142,11 @@ def pack(w, *, transposed=False) -> Packed:
     raise ValueError(f'pack: w must be a 2-D float32 kernel, got shape {w.shape} {w.dtype}')
   w = jnp.asarray(w).T if transposed else jnp.asarray(w)
   k, n = w.shape
-  strips = -(-n // STRIP)
-  padded = jnp.pad(w, ((0, 0), (0, strips * STRIP - n)))
-  data = jnp.transpose(padded.reshape(k, strips, STRIP), (1, 0, 2)).reshape(k, strips * STRIP)
-  return Packed(data, n)
+  width = strip()
+  strips = -(-n // width)
+  padded = jnp.pad(w, ((0, 0), (0, strips * width - n)))
+  data = jnp.transpose(padded.reshape(k, strips, width), (1, 0, 2)).reshape(k, strips * width)
+  return Packed(data, n, width)
 
 
 def packs(impl: str) -> bool:
@@ -127,13 +156,15 @@ def packs(impl: str) -> bool:
 
 def pack_kernels(tree):
   """`tree` (a params tree, e.g. one layer's) with every Dense kernel (a float32 2-D leaf named
-  'kernel' whose N is a multiple of STRIP, so nn.Dense takes its Packed) replaced by pack's copy;
-  every other leaf the same object. The copies add the kernels' size in memory."""
+  'kernel' whose N is a multiple of strip(), so nn.Dense takes its Packed) replaced by pack's
+  copy; every other leaf the same object. The copies add the kernels' size in memory."""
+  width = strip()
+
   def one(path, leaf):
     last = path[-1] if path else None
     named_kernel = getattr(last, 'key', None) == 'kernel'
     if (named_kernel and getattr(leaf, 'ndim', 0) == 2 and leaf.dtype == jnp.float32
-        and leaf.shape[1] % STRIP == 0):
+        and leaf.shape[1] % width == 0):
       return pack(leaf)
     return leaf
   return jax.tree_util.tree_map_with_path(one, tree)

@@ -141,20 +141,38 @@ def test_engine_with_the_kernel_gives_xlas_greedy_tokens():
 
 
 @needs_kernel
-def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
-  """pack(w) (strips of STRIP columns, the last one zero-padded: N 67, 203, 5, 24) read by the
+@pytest.mark.parametrize('isa', linear_cpu.ISAS)
+def test_packed_weights_match_the_oracle_and_the_in_place_kernel(isa):
+  """pack(w) (strips of strip() columns, the last one zero-padded: N 67, 203, 5, 24) read by the
   kernel at 1-64 rows (every tile height: 8-row tiles, the last 1-7 rows, 1-4 rows as r x 3) and
-  odd K: within float32 rounding of the float64 oracle, and from 3 rows bit for bit the in-place
-  kernel's result (the same sums); a Packed runs the kernel through `linear` at any row count,
-  unpacks to w, and the transposed head packs as its transpose."""
+  odd K, in every copy of the kernel this CPU runs (baseline, AVX2: strips of 8; AVX-512: strips
+  of 16, 16 x 1 tiles): within float32 rounding of the float64 oracle, and from 3 rows bit for bit
+  the in-place kernel's result (the same sums); a Packed runs the kernel through `linear` at any
+  row count, unpacks to w, the transposed head packs as its transpose, and a Packed made for
+  another copy's strip width is refused."""
+  best = linear_cpu.isa()
+  if linear_cpu.ISAS.index(isa) > linear_cpu.ISAS.index(best):
+    pytest.skip(f'this CPU runs the {best} copy at best, not {isa}')
+  other = None if isa == best else linear_cpu.pack(np.ones((4, 48), np.float32))
+  try:
+    assert linear_cpu.use_isa(isa) == isa
+    assert linear_cpu.strip() == (16 if isa == 'avx512' else 8)
+    _check_packed(other)
+  finally:
+    linear_cpu.use_isa(best)
+
+
+def _check_packed(other):
   rng = np.random.default_rng(5)
   packed, in_place = jax.jit(linear_cpu.kernel), jax.jit(linear_cpu.kernel)
   for rows, k, n in ((1, 37, 67), (2, 64, 203), (3, 300, 24), (4, 37, 67), (5, 64, 5),
-                     (8, 300, 203), (9, 37, 24), (13, 64, 67), (32, 37, 203), (64, 64, 24)):
+                     (8, 300, 203), (9, 37, 24), (13, 64, 67), (17, 576, 192), (32, 37, 203),
+                     (64, 64, 24)):
     x = rng.standard_normal((rows, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
     p = linear_cpu.pack(w)
-    assert p.strips.shape == (-(-n // linear_cpu.STRIP), k, linear_cpu.STRIP) and p.shape == (k, n)
+    s = linear_cpu.strip()
+    assert p.strips.shape == (-(-n // s), k, s) and p.shape == (k, n) and p.strip == s
     got = np.asarray(packed(x, p))
     bound = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
     assert got.shape == (rows, n)
@@ -175,6 +193,9 @@ def test_packed_weights_match_the_oracle_and_the_in_place_kernel():
     linear_cpu.linear(jnp.ones((2, 64)), p, transposed=True)
   with pytest.raises(ValueError, match='2-D float32'):
     linear_cpu.pack(jnp.ones((4, 8), jnp.bfloat16))
+  if other is not None and other.strip != linear_cpu.strip():  # packed for the best copy
+    with pytest.raises(Exception, match='packed w'):
+      np.asarray(linear_cpu.kernel(jnp.ones((2, 4)), other))
 
 
 @needs_kernel
@@ -191,7 +212,13 @@ def test_packed_per_layer_params_give_the_in_place_logits():
   assert split is step._per_layer(params)  # pylint: disable=protected-access
   is_packed = lambda x: isinstance(x, linear_cpu.Packed)
   leaves = jax.tree_util.tree_leaves(split['params']['layer_0'], is_leaf=is_packed)
-  assert sum(map(is_packed, leaves)) == 7 and split['params']['embed'] is params['params']['embed']
+  # every Dense kernel whose N is a multiple of the strip width (the tiny model's k / v, N = 24,
+  # stay in place with strips of 16)
+  kernels = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
+      params['params']['layers']) if path[-1].key == 'kernel']
+  packable = sum(leaf.shape[-1] % linear_cpu.strip() == 0 for leaf in kernels)
+  assert len(kernels) == 7 and sum(map(is_packed, leaves)) == packable > 0
+  assert split['params']['embed'] is params['params']['embed']
   assert split['params']['packed_head'].shape == params['params']['embed']['embedding'].shape[::-1]
   unpacked = CompiledStep(cfg, linear_impl='cpu')
   assert not unpacked._per_layer.pack  # pylint: disable=protected-access
