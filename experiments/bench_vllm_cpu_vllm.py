@@ -19,6 +19,12 @@ import time
 
 
 def main(workdir):
+  # vLLM inspects model classes in a `python -m` subprocess, whose sys.path starts with the
+  # current directory: run from the repo root, transformers' probe for the `kernels` package
+  # would import this repo's kernels/ (which needs jax) and vLLM would refuse the model. The
+  # workdir holds only our files.
+  workdir = os.path.abspath(workdir)
+  os.chdir(workdir)
   os.environ.setdefault('VLLM_CPU_KVCACHE_SPACE', '4')
   import vllm  # pylint: disable=import-outside-toplevel
   from vllm import LLM, SamplingParams  # pylint: disable=import-outside-toplevel
