@@ -176,11 +176,12 @@ class EngineConfig:
   # sequence (single-stream, latency-bound decoding) its own programs of 1, 2 and 4 rows, which
   # cost what one row costs rather than eight, at up to three more compilations.
   decode_min_rows: int = 8
-  # How the model's linear layers and output head multiply (kernels/linear_cpu.py): auto (the
-  # native CPU kernel on a CPU backend where it builds, reading the weights in place; else XLA's
-  # dots), xla, cpu, cpu_fused (q/k/v and gate/up one kernel call each), cpu_packed (decode
-  # calls read a packed copy of every Dense kernel and the head, made once: the weights' size
-  # again in host memory, docs/decode_speed.md).
+  # How the model's linear layers and output head multiply (kernels/linear_cpu.py): auto
+  # (cpu_packed on a CPU backend where the native kernel builds; else XLA's dots), xla, cpu (the
+  # native kernel reading the weights in place), cpu_fused (cpu with q/k/v and gate/up one
+  # kernel call each), cpu_packed (cpu, and decode calls read a packed copy of every Dense
+  # kernel and the head, made once: the weights' size again in host memory,
+  # docs/decode_speed.md).
   linear_impl: str = 'auto'
 
   def validate(self):

@@ -99,9 +99,9 @@ def test_bench_decode_tiny(tmp_path):
   assert len(trace) == 1 and trace[0]['requests'] == 2
   assert summary['num_compilations_after_warmup'] == 0  # the timed rounds compile nothing
   # bench.linear_impls ('auto', 'xla'): the native linear kernel's engine against XLA's dots'.
-  assert summary['linear_impls'] == ['cpu', 'xla']
+  assert summary['linear_impls'] == ['cpu_packed', 'xla']
   for r in batches:
-    assert r['token_agreement_xla'] == 1.0 and r['floor_s_cpu'] > 0, r
+    assert r['token_agreement_xla'] == 1.0 and r['floor_s_cpu_packed'] > 0, r
     assert r['decode_step_ratio_xla'] > 0 and r['engine_tokens_per_s_xla'] > 0
   assert '| batch | impl |' in summary['markdown_table']
   # config.attention.impl is 'auto': the engine ran what the dispatcher picks on this backend.

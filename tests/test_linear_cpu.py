@@ -109,7 +109,7 @@ def test_dispatch_keeps_xla_where_the_kernel_does_not_apply():
   assert 'pagedjax_linear_cpu' not in lowered(batched, x, jnp.ones((2, 8, 4)))
   np.testing.assert_allclose(np.asarray(dot(x, w, (((2,), (0,)), ((), ())))),
                              np.asarray(x) @ np.asarray(w), rtol=1e-6)
-  assert linear_cpu.resolve('auto') == 'cpu' and linear_cpu.resolve('xla') == 'xla'
+  assert linear_cpu.resolve('auto') == 'cpu_packed' and linear_cpu.resolve('xla') == 'xla'
   assert linear_cpu.fuses('cpu_fused') and not linear_cpu.fuses('auto')
   with pytest.raises(ValueError, match=r"linear_impl='blas' is not allowed: one of"):
     linear_cpu.resolve('blas')
@@ -122,7 +122,7 @@ def test_engine_with_the_kernel_gives_xlas_greedy_tokens():
   and through XLA's dots: the same greedy tokens, logits within float32 summation-order
   tolerance."""
   cfg, _, shared = tiny('gqa')
-  assert shared.linear_impl == 'auto' and linear_cpu.resolve(shared.linear_impl) == 'cpu'
+  assert shared.linear_impl == 'auto' and linear_cpu.resolve(shared.linear_impl) == 'cpu_packed'
   ps, sampling = prompts([5, 17], seed=3), SamplingParams(max_new_tokens=4)
   out = {'cpu': make_engine('gqa').generate(ps, sampling),  # the session's shared step
          'xla': make_engine('gqa', step_fn=CompiledStep(cfg, return_logits=True,

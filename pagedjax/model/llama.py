@@ -59,8 +59,9 @@ class ModelConfig:
 # The linear layers' matmuls (linear_impl): 'xla' is XLA's dot; 'cpu' the native kernel
 # (kernels/linear_cpu.py) for float32 calls of linear_cpu.MIN_ROWS to MAX_ROWS rows (decode
 # steps of 2-64 rows), XLA's dot otherwise; 'cpu_fused' is 'cpu' with q/k/v and gate/up each in
-# one kernel call (dense_group); 'auto' is 'cpu' on a CPU backend where the kernel builds, else
-# 'xla'. Same params, same math; the kernel sums in its own fixed order (float32 rounding
+# one kernel call (dense_group); 'cpu_packed' is 'cpu' with decode calls reading packed copies
+# (per_layer_params(pack=True)); 'auto' is 'cpu_packed' on a CPU backend where the kernel builds,
+# else 'xla'. Same params, same math; the kernel sums in its own fixed order (float32 rounding
 # differences), the same order fused or not.
 # ------------------------------------------------------------------------------------------------
 def dense(features: int, name: Optional[str], dtype, linear_impl: str, use_bias: bool = False):
