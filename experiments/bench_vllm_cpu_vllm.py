@@ -1,7 +1,8 @@
 """The vLLM side of experiments/bench_vllm_cpu.py, run in vLLM's own venv (it imports nothing of
 pagedjax, whose dependencies it does not have):
 
-  VENV/bin/python experiments/bench_vllm_cpu_vllm.py WORKDIR
+  VENV/bin/python experiments/bench_vllm_cpu_vllm.py WORKDIR          # its own rounds
+  VENV/bin/python experiments/bench_vllm_cpu_vllm.py WORKDIR --serve  # the caller's (serve())
 
 Reads WORKDIR/prompts.json and the HF folder WORKDIR/hf_model that `--step=pagedjax` wrote, runs
 vLLM's offline `LLM` on the same token ids (float32, greedy, EOS ignored, prefix caching off, no
@@ -18,13 +19,8 @@ import sys
 import time
 
 
-def main(workdir):
-  # vLLM inspects model classes in a `python -m` subprocess, whose sys.path starts with the
-  # current directory: run from the repo root, transformers' probe for the `kernels` package
-  # would import this repo's kernels/ (which needs jax) and vLLM would refuse the model. The
-  # workdir holds only our files.
-  workdir = os.path.abspath(workdir)
-  os.chdir(workdir)
+def build(workdir):
+  """(vllm module, run(batch) -> (wall s, [n][output_len] ids), setup) on WORKDIR's files."""
   os.environ.setdefault('VLLM_CPU_KVCACHE_SPACE', '4')
   import vllm  # pylint: disable=import-outside-toplevel
   from vllm import LLM, SamplingParams  # pylint: disable=import-outside-toplevel
@@ -45,7 +41,19 @@ def main(workdir):
     outs = llm.generate(inputs, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     return wall, [list(o.outputs[0].token_ids) for o in outs]
+  return vllm, run, setup
 
+
+def info(vllm):
+  return dict(vllm_version=vllm.__version__,
+              env={k: v for k, v in os.environ.items()
+                   if k.startswith('VLLM_') or k == 'LD_PRELOAD'},
+              cpu_count=os.cpu_count())
+
+
+def main(workdir):
+  vllm, run, setup = build(workdir)
+  output_len = int(setup['output_len'])
   results = {}
   for batch in setup['batches']:
     run(batch)  # warm-up
@@ -57,16 +65,40 @@ def main(workdir):
     results[str(batch)] = dict(walls_s=walls, wall_s=wall,
                                tokens_per_s=batch * output_len / wall, output_ids=ids)
     print(f'vllm B={batch}: {results[str(batch)]["tokens_per_s"]:.1f} tokens/s', flush=True)
-  out = dict(batches=results, vllm_version=vllm.__version__,
-             env={k: v for k, v in os.environ.items() if k.startswith('VLLM_')},
-             load_average_1m=os.getloadavg()[0], cpu_count=os.cpu_count())
+  out = dict(batches=results, load_average_1m=os.getloadavg()[0], **info(vllm))
   tmp = os.path.join(workdir, 'vllm.json.tmp')
   with open(tmp, 'w') as f:
     json.dump(out, f, indent=2)
   os.replace(tmp, os.path.join(workdir, 'vllm.json'))
 
 
+def serve(workdir):
+  """--serve: the rounds are the caller's (experiments/bench_vllm_cpu.py --step=interleaved,
+  which alternates them with the engine's). Prints `@@READY {info}` once the model is loaded,
+  then per stdin line `run BATCH` one generate call and `@@ROUND {"wall_s", "output_ids"}`;
+  `quit` (or the end of stdin) ends it. Lines without the @@ prefix are vLLM's own logs."""
+  vllm, run, _ = build(workdir)
+  print('@@READY ' + json.dumps(info(vllm)), flush=True)
+  for line in sys.stdin:
+    words = line.split()
+    if not words or words[0] == 'quit':
+      break
+    if words[0] != 'run' or len(words) != 2 or not words[1].isdigit():
+      print('@@ERROR ' + json.dumps(f'unknown command {line.strip()!r}: run BATCH or quit'),
+            flush=True)
+      continue
+    wall, ids = run(int(words[1]))
+    print('@@ROUND ' + json.dumps(dict(wall_s=wall, output_ids=ids)), flush=True)
+
+
 if __name__ == '__main__':
-  if len(sys.argv) != 2:
-    sys.exit('usage: python experiments/bench_vllm_cpu_vllm.py WORKDIR')
-  main(sys.argv[1])
+  args = [a for a in sys.argv[1:] if a != '--serve']
+  if len(args) != 1:
+    sys.exit('usage: python experiments/bench_vllm_cpu_vllm.py WORKDIR [--serve]')
+  # vLLM inspects model classes in a `python -m` subprocess, whose sys.path starts with the
+  # current directory: run from the repo root, transformers' probe for a `kernels` package
+  # would import this repo's kernels/ (which needs jax) and vLLM would refuse the model. The
+  # workdir holds only our files.
+  target = os.path.abspath(args[0])
+  os.chdir(target)
+  (serve if '--serve' in sys.argv[1:] else main)(target)
