@@ -107,20 +107,12 @@ ColumnsFn packed_for() {
   return generic::columns_packed;
 }
 
-// The packed layout's strip width and the columns a packed task's block is a multiple of, for
-// the copy in use (8; AVX-512: 16).
+// The packed layout's strip width for the copy in use (8; AVX-512: 16).
 int64_t packed_strip() {
 #ifdef PAGEDJAX_HAVE_AVX2_COPY
   if (isa_in_use() == 2) return avx512::kStrip;
 #endif
   return generic::kStrip;
-}
-
-int64_t packed_quantum() {
-#ifdef PAGEDJAX_HAVE_AVX2_COPY
-  if (isa_in_use() == 2) return avx512::kPackedQuantum;
-#endif
-  return generic::kPackedQuantum;
 }
 
 constexpr int64_t kMinBlockColumns = 32;
@@ -231,11 +223,7 @@ ffi::Error LinearPacked(ffi::ThreadPool& pool, const float* xp, int64_t M, int64
     return ffi::Error::Success();
   }
   const ColumnsFn columns = packed_for();
-  // Blocks of whole pieces (packed_quantum columns), about four per thread.
-  const int64_t quantum = packed_quantum();
-  const int64_t pieces = (N + quantum - 1) / quantum;
-  const int64_t tasks = std::min<int64_t>(pieces, 4 * std::max<int64_t>(1, pool.num_threads()));
-  const int64_t cols = (pieces + tasks - 1) / tasks * quantum;  // a multiple of the strip
+  const int64_t cols = block_columns(N, pool.num_threads());  // a multiple of either strip width
   parallel_for(pool, (N + cols - 1) / cols, [&](int64_t i) {
     columns(xp, M, K, wp, N, out, i * cols, std::min(N, (i + 1) * cols));
   });
@@ -330,10 +318,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearMultiCpu, pagedjax_cpu::LinearMulti,
 // Which copy of the kernel body this CPU runs (kernels/linear_cpu.py reports it): 1 for AVX2.
 extern "C" int LinearCpuUsesAvx2() { return pagedjax_cpu::linear_uses_avx2() ? 1 : 0; }
 
-// The copy in use (0 baseline, 1 AVX2, 2 AVX-512 for packed W), the best this CPU runs, and the
-// packed layout's strip width for the copy in use (linear_cpu.py pack lays W out for it).
+// The copy in use (0 baseline, 1 AVX2, 2 AVX-512 for packed W) and the packed layout's strip
+// width for it (linear_cpu.py pack lays W out for it).
 extern "C" int LinearCpuIsa() { return pagedjax_cpu::isa_in_use(); }
-extern "C" int LinearCpuBestIsa() { return pagedjax_cpu::best_isa(); }
 extern "C" int LinearCpuPackedStrip() { return int(pagedjax_cpu::packed_strip()); }
 
 // Runs copy `isa` from now on (at most the best; returns the copy then in use). Packed copies
