@@ -610,31 +610,31 @@ def load_model(source: str, path: Optional[str] = None, cache_dir: Optional[str]
     return cfg, jax.device_put(params)
   fingerprint = source_fingerprint(source, path)
   entry = os.path.join(os.path.abspath(cache_dir), f'{source}-{_entry_key(fingerprint)}')
-  with _locked(entry, exclusive=False):  # restores run side by side
-    if os.path.lexists(entry):
+  # Shared first, so restores run side by side; then, if the entry is missing or does not
+  # verify, exclusive (processes converting the same entry: one does), checking again in case
+  # another process wrote or rewrote it meanwhile.
+  for exclusive in (False, True):
+    with _locked(entry, exclusive=exclusive):
+      invalid = False
+      if os.path.lexists(entry):
+        try:
+          cfg, params, digest = _restore_verified(entry, fingerprint)
+          return cfg, remember_digest(jax.device_put(params), digest)
+        except CacheEntryInvalid as e:
+          if exclusive:
+            logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
+                            entry, e, path)
+          invalid = True
+      if not exclusive:
+        continue
+      cfg, params = _convert(source, path)
+      digest = None
       try:
-        cfg, params, digest = _restore_verified(entry, fingerprint)
-        return cfg, remember_digest(jax.device_put(params), digest)
-      except CacheEntryInvalid:
-        pass  # checked again below, under the exclusive lock
-  with _locked(entry, exclusive=True):  # processes converting the same entry: one does
-    invalid = False
-    if os.path.lexists(entry):  # written, or rewritten, by another process meanwhile?
-      try:
-        cfg, params, digest = _restore_verified(entry, fingerprint)
-        return cfg, remember_digest(jax.device_put(params), digest)
-      except CacheEntryInvalid as e:
-        logging.warning('weights cache entry %s is not usable: %s; rebuilding it from %s',
-                        entry, e, path)
-        invalid = True
-    cfg, params = _convert(source, path)
-    digest = None
-    try:
-      digest = save_cached(entry, cfg, params, fingerprint, replace=invalid)
-    except Exception as e:  # pylint: disable=broad-except
-      # The conversion is done and in memory: a full disk or read-only cache must not lose it.
-      logging.warning('could not write weights cache entry %s (%s); continuing uncached',
-                      entry, _one_line(e))
+        digest = save_cached(entry, cfg, params, fingerprint, replace=invalid)
+      except Exception as e:  # pylint: disable=broad-except
+        # The conversion is done and in memory: a full disk or read-only cache must not lose it.
+        logging.warning('could not write weights cache entry %s (%s); continuing uncached',
+                        entry, _one_line(e))
   params = jax.device_put(params)
   return cfg, params if digest is None else remember_digest(params, digest)
 
