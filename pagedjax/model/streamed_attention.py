@@ -387,13 +387,14 @@ IN_PLACE = 2  # _layers' `native`: the native kernel over the offload store's ar
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(7,))
 def _layers(cfg, stacked, native, linear_impl, lps, first, x, pool, rows: RowInputs, chunks,
-            chunk_positions, num_steps):
+            chunk_positions, host_ids, num_steps):
   """x [B, T, D] through the layers first, first + 1, .. (one per entry of chunks, that layer's
   fold steps as `layer_attention` takes them): q/k/v, attention over the window and the host
   blocks, o_proj, residual, MLP. lps: the stacked layer params (stacked) or each layer's own.
   native: attention through the native CPU kernel (native_layer_attention), else the fold;
   IN_PLACE: that kernel reading the offload store's host arrays in place (each entry of chunks
-  is them, chunk_positions the rows' host ids [Bh, S * C]).
+  is them, host_ids the rows' host ids [Bh, S * C]; chunk_positions None). Otherwise
+  chunk_positions are the fold steps' positions [S, Bh, C, bs] and host_ids None.
   linear_impl: the projections' matmuls (llama.LINEAR_IMPLS; StreamedAttention.linear_impl).
   -> (x, pool); the pool is donated (written in place)."""
   traces.record()
@@ -401,9 +402,9 @@ def _layers(cfg, stacked, native, linear_impl, lps, first, x, pool, rows: RowInp
     layer = first + i
     lp = jax.tree_util.tree_map(lambda a, at=layer: a[at], lps) if stacked else lps[i]
     q, k, v = llama.layer_qkv(cfg, lp, x, rows.positions, linear_impl)
-    if native == IN_PLACE:  # chunk_positions: the rows' host ids [Bh, S * C]
+    if native == IN_PLACE:
       pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
-                                          host_table=chunk_positions)
+                                          host_table=host_ids)
     elif native:
       pool, attn = native_layer_attention(pool, layer, q, k, v, rows, layer_chunks,
                                           chunk_positions.shape[1])
@@ -619,14 +620,14 @@ class StreamedAttention:
     in_place = (store.in_place(steps.ids, cfg.num_layers)
                 if native and self._host_is_device and self.read_in_place else None)
     if in_place is not None:
-      mode, positions = IN_PLACE, np.ascontiguousarray(np.transpose(
+      mode, positions, host_ids = IN_PLACE, None, np.ascontiguousarray(np.transpose(
           steps.ids.reshape(bucket, host_rows, self.chunk_blocks), (1, 0, 2)).reshape(
               host_rows, -1).astype(np.int32))
     else:
-      mode, positions = native, steps.positions
+      mode, positions, host_ids = native, steps.positions, None
     # The batch's inputs go to the device once, not once per layer group.
-    inputs, step_positions, num_steps = jax.device_put(
-        (RowInputs(*host), positions, np.int32(steps.num_steps)))
+    inputs, step_positions, host_ids, num_steps = jax.device_put(
+        (RowInputs(*host), positions, host_ids, np.int32(steps.num_steps)))
     self.counters['batches_read_in_place'] += in_place is not None
     self.counters['batches'] += 1
     self.counters[f'batches_of_{len(rows)}_rows'] += 1
@@ -659,7 +660,7 @@ class StreamedAttention:
         streamed += count * len(steps.ids) * store.layer_block_bytes
         x, pool = _layers(cfg, stacked, mode, self.linear_impl, group_params[group],
                           self._layer_ids[first], x, pool, inputs, (in_place,) * count,
-                          step_positions, num_steps)
+                          step_positions, host_ids, num_steps)
         continue
       # Programs run asynchronously, and the program two groups back may still read the
       # buffers these reads fill: on a CPU device they are its input arrays themselves (the
@@ -676,7 +677,7 @@ class StreamedAttention:
       pending = start_reads(group + 1) if group + 1 < len(self.groups) else []
       x, pool = _layers(cfg, stacked, mode, self.linear_impl, group_params[group],
                         self._layer_ids[first], x, pool, inputs, chunks, step_positions,
-                        num_steps)
+                        host_ids, num_steps)
       used[group % 2] = x
     index = np.zeros(num_rows, np.int32)  # each row's last real token (padding rows: 0)
     index[:len(rows)] = [len(r.tokens) - 1 for r in rows]
