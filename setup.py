@@ -17,7 +17,10 @@ setup(
     packages=find_packages(include=['pagedjax', 'pagedjax.*']),
     # The native CPU kernel's C++ sources: kernels/cpu.py compiles them at first use (into
     # ~/.cache/pagedjax/kernels, against the installed jaxlib's FFI headers), not at install.
-    package_data={'pagedjax.kernels': ['csrc/*.cc', 'csrc/*.inc']},
+    # The prefix cache's C chain keys (pagedjax/host/cache/native_keys.py) build the same way,
+    # into ~/.cache/pagedjax/host.
+    package_data={'pagedjax.kernels': ['csrc/*.cc', 'csrc/*.inc'],
+                  'pagedjax.host.cache': ['csrc/*.c']},
     python_requires='>=3.11',
     install_requires=[line.strip() for line in open('requirements.txt')
                       if line.strip() and not line.startswith('#')],

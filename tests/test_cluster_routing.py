@@ -7,13 +7,16 @@ one-pass split equals its quadratic definition."""
 import dataclasses
 import random
 
+import pytest
+
 from configs import cluster as cluster_config
 from experiments import cluster as study_lib
 from pagedjax.cluster import routers
 from pagedjax.cluster.index import SHARED, KVIndex, prompt_keys
 from pagedjax.cluster.sim import ClusterRequest, Replica
 from pagedjax.host import kv_events
-from pagedjax.host.cache.prefix_cache import block_key, chain_keys
+from pagedjax.host.cache import native_keys, prefix_cache
+from pagedjax.host.cache.prefix_cache import block_key, chain_keys, content_bytes
 from pagedjax.host.tiers.tier_cost import TierCosts
 
 
@@ -26,18 +29,45 @@ def chained(ids, bs, n, salt=None, parent=None, start=0):
   return keys
 
 
-def test_chain_keys_equal_block_key_chained():
+@pytest.mark.parametrize('impl', ['chain_keys', 'chain_keys_python', 'native'])
+def test_chain_keys_equal_block_key_chained(impl):
+  """Every implementation of the one-pass keys (the C module where it builds, the Python loop)
+  equals block_key chained, on ids of any int64 size, salts, parents and starts; token_ids may
+  be a list or a tuple."""
+  if impl == 'native':
+    native = native_keys.chain_keys_fn()
+    if native is None:
+      pytest.skip(f'the C chain-key module is unavailable: {native_keys.unavailable_reason()}')
+    fn = lambda ids, bs, n, salt=None, parent=None, start=0: native(
+        ids, start * bs, max(0, n - start), bs, content_bytes(parent, (), salt))
+  else:
+    fn = getattr(prefix_cache, impl)
   rng = random.Random(0)
-  for _ in range(200):
-    bs, length = rng.randint(1, 17), rng.randint(0, 120)
-    ids = [rng.randrange(2**40) for _ in range(length)]
+  for _ in range(300):
+    bs, length = rng.choice([rng.randint(1, 17), 64, 16, 15]), rng.randint(0, 200)
+    ids = [rng.choice([rng.randrange(2**40), rng.randrange(-2**63, 2**63)])
+           for _ in range(length)]
     n = length // bs
     start = rng.randint(0, n)
-    salt = rng.choice([None, '', 'tenant', 'zürich'])
+    salt = rng.choice([None, '', 'tenant', 'zürich', 's' * 300])
     parent = rng.choice([None, rng.randrange(2**64)])
-    assert chain_keys(ids, bs, n, salt, parent, start) == chained(ids, bs, n, salt, parent,
-                                                                  start)
-  assert chain_keys([1, 2, 3], 2, 0) == [] and chain_keys([1, 2, 3], 2, 1, start=1) == []
+    seq = ids if rng.random() < 0.5 else tuple(ids)
+    assert fn(seq, bs, n, salt, parent, start) == chained(ids, bs, n, salt, parent, start)
+  assert fn([1, 2, 3], 2, 0) == [] and fn([1, 2, 3], 2, 1, start=1) == []
+
+
+def test_native_chain_keys_refuse_bad_input_by_name():
+  native = native_keys.chain_keys_fn()
+  if native is None:
+    pytest.skip(f'the C chain-key module is unavailable: {native_keys.unavailable_reason()}')
+  with pytest.raises(OverflowError):
+    native([2**63], 0, 1, 1, b'N')
+  with pytest.raises(TypeError):
+    native(['a'], 0, 1, 1, b'N')
+  with pytest.raises(ValueError, match='need 8 token ids; there are 3'):
+    native([1, 2, 3], 0, 2, 4, b'N')
+  with pytest.raises(ValueError, match='block_size=0'):
+    native([1], 0, 1, 0, b'N')
 
 
 def test_a_replica_files_blocks_under_the_keys_its_router_computed():
@@ -111,9 +141,9 @@ def test_match_equals_a_replica_by_replica_walk():
       assert index.match(keys, replicas) == walk(index, keys, replicas), (trial, replicas)
 
 
-def test_tier_cost_picks_the_least_expected_ttft():
+def test_tier_cost_picks_the_least_score():
   """Over 16 replicas sharing a store: the pick (computed once per distinct case) is the
-  replica of least expected_ttft_s, each computed on its own."""
+  replica of least score_s, each computed on its own."""
   rng = random.Random(3)
   bs, keys = 16, prompt_keys(list(range(40 * 16 + 5)), 16)
   cost = TierCosts.for_tiers(bs, 2**20, 3e-5, (2e10, 1e-5), (1e9, 1e-4))
@@ -126,11 +156,13 @@ def test_tier_cost_picks_the_least_expected_ttft():
                                             None, rng.choice(['GPU', 'CPU']))])
     states = [routers.ReplicaState(i, block_size=bs, cost=cost,
                                    queued_prefill_tokens=rng.randrange(0, 4000),
-                                   running_tokens=rng.randrange(0, 9000)) for i in range(16)]
+                                   running_tokens=rng.randrange(0, 9000),
+                                   num_waiting=rng.randrange(0, 5)) for i in range(16)]
     router = routers.make_router('tier_cost', index=index)
     request = routers.RouteRequest(trial, list(range(40 * 16 + 5)))
     held = index.match(request.keys(bs), range(16))
-    want = min(states, key=lambda r: (router.expected_ttft_s(request, r, held.get(r.index, ())),
+    mean = sum(r.num_waiting for r in states) / len(states)
+    want = min(states, key=lambda r: (router.score_s(request, r, held.get(r.index, ()), mean),
                                       r.load_tokens, r.index)).index
     assert router.route(request, states) == want
 

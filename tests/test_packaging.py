@@ -71,6 +71,9 @@ def test_wheel_holds_every_package_and_runs_the_engine_and_the_simulator(tmp_pat
   # Every module of the source tree is in the wheel, not only each package's __init__.
   modules = [str(p) for p in source_files('*.py')]
   assert sorted(set(modules) - set(names)) == []
+  # and the C sources built at first use (the kernels, the prefix cache's chain keys)
+  assert {'pagedjax/kernels/csrc/linear_cpu.cc',
+          'pagedjax/host/cache/csrc/chain_keys.c'} <= set(names), names
 
   site = tmp_path / 'site'
   run(pip + ['install', '--no-deps', '--no-index', '--target', str(site), str(wheel)],

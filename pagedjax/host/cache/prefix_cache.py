@@ -51,6 +51,7 @@ from pagedjax.host import kv_events
 from pagedjax.host import policies
 from pagedjax.host.requests.intake import RequestError, prompt_ids
 from pagedjax.host.requests.sampling_params import brief, is_text
+from pagedjax.host.cache import native_keys
 from pagedjax.host.cache.sessions import Sessions
 
 DESIGNS = ('hash', 'radix')  # radix: radix_cache.py
@@ -89,10 +90,22 @@ def block_key(parent: Optional[int], tokens: Seq[int], salt=None) -> int:
 def chain_keys(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=None,
                parent: Optional[int] = None, start: int = 0) -> List[int]:
   """Keys of full blocks start..num_full_blocks-1 of token_ids, continuing from `parent`:
-  block_key of each block in turn, computed in one pass (the blocks' token ids packed as
-  native int64s at once, array.array('q')'s bytes, and each key's 8 digest bytes reused as its
-  child's parent encoding), 2-3x faster than block_key per block;
-  tests/test_cluster_routing.py checks they agree."""
+  block_key of each block in turn, by the C module where it builds (native_keys.py), else by
+  chain_keys_python; tests/test_cluster_routing.py checks both against block_key."""
+  if num_full_blocks <= start:
+    return []
+  native = native_keys.chain_keys_fn()
+  if native is None:
+    return chain_keys_python(token_ids, block_size, num_full_blocks, salt, parent, start)
+  return native(token_ids, start * block_size, num_full_blocks - start, block_size,
+                content_bytes(parent, (), salt))
+
+
+def chain_keys_python(token_ids: Seq[int], block_size: int, num_full_blocks: int, salt=None,
+                      parent: Optional[int] = None, start: int = 0) -> List[int]:
+  """chain_keys in one Python pass: the blocks' token ids packed as native int64s at once
+  (array.array('q')'s bytes), each key's 8 digest bytes reused as its child's parent encoding;
+  2-3x faster than block_key per block."""
   if num_full_blocks <= start:
     return []
   ids = token_ids[start * block_size:num_full_blocks * block_size]
