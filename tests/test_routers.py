@@ -148,6 +148,69 @@ def test_tier_cost_expected_ttft_is_the_formula():
   assert math.isclose(r.expected_ttft_s(request(PROMPT), s[0], held[0]), 0.008 + 4e-6)  # loaded
 
 
+def test_tier_cost_charges_the_work_it_adds_for_the_requests_it_delays():
+  """score_s = expected TTFT + delay_weight x the prompt's own work x the larger of the requests
+  waiting at the replica and the mean waiting over the replicas. A holder with the longer
+  queue loses to an idle replica on the TTFT alone (delay_weight=0) and wins once the cluster
+  has requests waiting (the idle replica would recompute the whole prompt for them)."""
+  cost = TierCosts.for_tiers(BS, 1000, 1e-3, host=(1e5, 0.002), disk=(1e4, 0.01))
+  index = KVIndex()
+  index.apply(0, stored(KEYS[:8]))  # replica 0 holds 8 of the 10 blocks: 8 tokens to compute
+  s = states(3, queued_prefill_tokens=[30, 0, 0], num_waiting=[0, 0, 0])
+  for state in s:
+    state.cost = cost
+  held = index.match(KEYS)
+  plain = routers.make_router('tier_cost', index=index, delay_weight=0.0)
+  delaying = routers.make_router('tier_cost', index=index, delay_weight=2.0)
+  assert math.isclose(delaying.score_s(request(PROMPT), s[0], held[0]), 0.030 + 0.008)
+  assert plain.route(request(PROMPT), s) == delaying.route(request(PROMPT), s) == 0  # idle
+  s[0].queued_prefill_tokens = 60  # 68 ms on the holder against 40 ms anywhere else
+  assert plain.route(request(PROMPT), s) == delaying.route(request(PROMPT), s) in (1, 2)
+  s[0].num_waiting, s[1].num_waiting, s[2].num_waiting = 3, 0, 0  # mean 1: 40 ms x (1 + 2)
+  assert math.isclose(delaying.score_s(request(PROMPT), s[1], (), mean_waiting=1.0), 0.120)
+  assert math.isclose(delaying.score_s(request(PROMPT), s[0], held[0], mean_waiting=1.0),
+                      0.060 + 0.008 * (1 + 2 * 3))  # 116 ms
+  assert plain.route(request(PROMPT), s) in (1, 2)
+  assert delaying.route(request(PROMPT), s) == 0
+  with pytest.raises(ValueError, match='delay_weight=-1.0 is not allowed'):
+    routers.make_router('tier_cost', delay_weight=-1.0)
+
+
+def test_pending_routes_count_a_routed_prompt_until_the_index_shows_it():
+  """tier_cost sends a prompt's second request where the first went while the index cannot
+  show it yet (prefill queued); once the index has shown the blocks, it alone decides (an
+  eviction is not papered over), and an entry the index never confirms expires."""
+  cost = TierCosts.for_tiers(BS, 1000, 1e-3, host=(1e5, 0.002), disk=(1e4, 0.01))
+  index = KVIndex()
+  r = routers.make_router('tier_cost', index=index, pending_decisions=3)
+  s = states(3)
+  for state in s:
+    state.cost = cost
+  q = request(PROMPT)
+  first = r.route(q, s)
+  r.routed(q, first)
+  s[first].queued_prefill_tokens = 10  # its prefill queued there: 10 + 0 ms against 40 ms
+  assert r.route(request(PROMPT, 1), s) == first
+  pending = r.pending.extend(KEYS, {})
+  assert pending == {first: [1] * len(KEYS)}
+  index.apply(first, stored(KEYS[:6]))  # computed in part: the index shows 6 blocks
+  assert r.pending.extend(KEYS, index.match(KEYS)) == {first: [1] * len(KEYS)}
+  index.apply(first, [kv_events.AllBlocksCleared()])  # evicted: confirmed blocks never count
+  assert r.pending.extend(KEYS, index.match(KEYS)) == {}
+  q2 = request(range(100, 140), 2)
+  r.routed(q2, 2)
+  keys2 = q2.keys(BS)
+  assert r.pending.extend(keys2, {}) == {2: [1] * len(keys2)}
+  for _ in range(2):
+    r.pending.extend([], {})
+  assert r.pending.extend(keys2, {}) == {}  # 3 decisions on: expired
+  assert not r.pending._entries and not r.pending._queue  # pylint: disable=protected-access
+  off = routers.make_router('tier_cost', index=index, pending_decisions=0)
+  assert off.pending is None
+  with pytest.raises(ValueError, match='pending_decisions=-1 is not allowed'):
+    routers.make_router('tier_cost', pending_decisions=-1)
+
+
 def test_registry():
   assert set(routers.ROUTERS.names()) >= {'random', 'round_robin', 'least_loaded', 'approx_prefix',
                                   'precise', 'tier_cost'}

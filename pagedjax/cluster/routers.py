@@ -20,10 +20,12 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 llm-d's precise prefix-cache scorer, Dynamo's KV router): score = w_prefix x
                 (tier-weighted fraction of the prompt's blocks held, as a prefix) + w_kv x (1 -
                 KV use) + w_queue x (1 - requests / the most any replica has); the best score.
-  tier_cost     the least expected time to first token (host/tiers/tier_cost.py's cost model):
-                queued prefill work x prefill rate + the part of the prompt not held x prefill
-                rate + loading the held part from its tiers (each block from its best tier; the
-                promotion rule's cheapest split of load vs recompute).
+  tier_cost     the least expected time to first token (host/tiers/tier_cost.py's cost model),
+                plus the delay the request's own work adds to others: queued prefill work x
+                prefill rate + (the part of the prompt not held x prefill rate + loading the
+                held part from its tiers, each block from its best tier, the promotion rule's
+                cheapest split of load vs recompute) x (1 + delay_weight x the larger of the
+                requests waiting there and the mean waiting per replica).
 
 Every policy takes equally good replicas in turn (by index), after the least loaded among them
 for precise and tier_cost (queued + running tokens): never always the first of equals.
@@ -299,15 +301,95 @@ class PreciseRouter(Router):
                        lambda r: r.load_tokens)
 
 
+class PendingRoutes:
+  """The prompts a router sent where the KV index cannot show them yet: a replica announces a
+  block once it has computed it (its KV events), so a second request for a prefix whose first
+  prefill is still queued or running would find it nowhere. `routed` records the prompt's keys
+  on its replica for `decisions` routing decisions; `extend` counts a recorded prefix as held
+  on the device (tier 1, as it will be) past what the index shows. A block the index has shown
+  is confirmed and never counted again (from then on the index tracks it, evictions
+  included); a block it never shows (the request failed, or was evicted before the router
+  looked) stops counting when its entry expires."""
+
+  def __init__(self, decisions: int):
+    self.decisions = decisions
+    self._now = 0  # routing decisions so far
+    # key -> replica -> the last decision its entry lives (negated once the index showed it)
+    self._entries: Dict[int, Dict[int, int]] = {}
+    self._queue: collections.deque = collections.deque()  # (expiry, key, replica), in order
+
+  def routed(self, keys: Seq[int], replica: int) -> None:
+    until = self._now + self.decisions + 1
+    entries = self._entries
+    for key in keys:
+      entries.setdefault(key, {})[replica] = until
+      self._queue.append((until, key, replica))
+
+  def extend(self, keys: Seq[int], held: Dict[int, List[int]]) -> Dict[int, List[int]]:
+    """`held` (KVIndex.match's replica -> tiers of its prefix) with each replica's recorded,
+    unconfirmed prefix past it counted as device blocks; one routing decision passes.
+
+    A chain key names its whole prefix, and `routed` records a prompt from its first block, so
+    only replicas with an entry for keys[0] can have entries for this prompt at all."""
+    self._now += 1
+    queue, entries = self._queue, self._entries
+    while queue and queue[0][0] <= self._now:
+      until, key, replica = queue.popleft()
+      mine = entries.get(key)
+      if mine is not None and abs(mine.get(replica, 0)) == until:
+        del mine[replica]
+        if not mine:
+          del entries[key]
+    first = entries.get(keys[0]) if keys else None
+    if not first:
+      return held
+    out = dict(held)
+    for replica in list(first):
+      tiers = held.get(replica, ())
+      n = 0
+      for n, key in enumerate(keys):
+        mine = entries.get(key)
+        state = mine.get(replica, 0) if mine else 0
+        if n < len(tiers):
+          if state > 0:
+            mine[replica] = -state  # the index shows it: confirmed
+          continue
+        if state <= 0:  # not recorded, or confirmed (and gone since: the index knows)
+          break
+      else:
+        n = len(keys)
+      if n > len(tiers):
+        out[replica] = [*tiers, *([1] * (n - len(tiers)))]
+    return out
+
+
 @register('tier_cost')
 class TierCostRouter(Router):
   """The least expected TTFT by the tier cost model (see the module docstring)."""
 
   def __init__(self, index: Optional[KVIndex] = None, block_size: int = 0,
-               prefill_s_per_token: float = 0.0):
-    """prefill_s_per_token: used for replicas whose ReplicaState has no cost model."""
+               prefill_s_per_token: float = 0.0, delay_weight: float = 4.0,
+               pending_decisions: int = 1024):
+    """prefill_s_per_token: used for replicas whose ReplicaState has no cost model (0: a unit
+    rate, see _per_token; a live replica publishes no cost model).
+    pending_decisions: how many routing decisions a routed prompt counts as held on its
+    replica before the index shows it (PendingRoutes; 0: the index alone).
+    delay_weight: how many times the prompt's own work is charged per request it delays (0:
+    this request's expected TTFT alone; see `score_s`). The default, 4, was the best of 0-16 in
+    the simulated llm-d studies (docs/cluster.md)."""
+    if not (prefill_s_per_token >= 0 and math.isfinite(prefill_s_per_token)):
+      raise ValueError(f'prefill_s_per_token={prefill_s_per_token!r} is not allowed: a finite '
+                       'number >= 0')
+    if not (delay_weight >= 0 and math.isfinite(delay_weight)):
+      raise ValueError(f'delay_weight={delay_weight!r} is not allowed: a finite number >= 0')
+    if isinstance(pending_decisions, bool) or not isinstance(pending_decisions, int) or (
+        pending_decisions < 0):
+      raise ValueError(f'pending_decisions={pending_decisions!r} is not allowed: an integer >= 0')
     self.index, self.block_size = index, block_size
     self.prefill_s_per_token = prefill_s_per_token
+    self.delay_weight = float(delay_weight)
+    self.pending = PendingRoutes(pending_decisions) if pending_decisions else None
+    self._keyed_with = 0  # the block size route() last keyed a request with
 
   def expected_ttft_s(self, request: RouteRequest, replica: ReplicaState,
                       tiers: Seq[int]) -> float:
@@ -316,9 +398,26 @@ class TierCostRouter(Router):
     return (replica.queued_prefill_tokens * self._per_token(replica) +
             self._prompt_s(request, replica, tiers))
 
+  def score_s(self, request: RouteRequest, replica: ReplicaState, tiers: Seq[int],
+              mean_waiting: float = 0.0) -> float:
+    """What `route` minimises: expected_ttft_s + delay_weight x the prompt's own work x the
+    requests it holds up, the larger of the requests waiting at the replica and mean_waiting
+    (the mean over the replicas routed among). By Little's law about as many requests arrive
+    while a queue drains as wait in it now, and each waits for this work; a replica idle while
+    the others have queues takes the requests the router would have sent elsewhere. So with
+    nobody waiting anywhere the score is the TTFT alone, and under overload a prefix recomputed
+    away from its holder is charged for every request it delays."""
+    own = self._prompt_s(request, replica, tiers)
+    return (replica.queued_prefill_tokens * self._per_token(replica) +
+            own * (1.0 + self.delay_weight * max(replica.num_waiting, mean_waiting)))
+
   def _per_token(self, replica: ReplicaState) -> float:
+    """Its cost model's prefill rate; without one, prefill_s_per_token, else 1 (a unit: with
+    no tier figures every term is a token count times it, so the pick does not depend on it)."""
     cost = replica.cost
-    return cost.prefill_s_per_token if cost is not None else self.prefill_s_per_token
+    if cost is not None:
+      return cost.prefill_s_per_token
+    return self.prefill_s_per_token or 1.0
 
   def _prompt_s(self, request: RouteRequest, replica: ReplicaState, tiers: Seq[int]) -> float:
     """This prompt's own part of expected_ttft_s."""
@@ -335,18 +434,28 @@ class TierCostRouter(Router):
     return own
 
   def route(self, request, replicas):
-    keys = request.keys(self.block_size or replicas[0].block_size)
+    self._keyed_with = self.block_size or replicas[0].block_size  # routed() keys with it too
+    keys = request.keys(self._keyed_with)
     held = self.index.match(keys, [r.index for r in replicas]) if keys else {}
+    if self.pending is not None:
+      held = self.pending.extend(keys, held)
     prompt_s: Dict[tuple, float] = {}  # replicas of one cost model holding the same tiers
     # (every replica on the shared store's prefix, say) cost the prompt the same: once each
+    mean_waiting = sum(r.num_waiting for r in replicas) / len(replicas)
 
-    def ttft(r: ReplicaState) -> float:
+    def score(r: ReplicaState) -> float:  # score_s, memoised per case
       tiers = held.get(r.index, ())
       case = (id(r.cost), r.block_size, tuple(tiers))
       if case not in prompt_s:
         prompt_s[case] = self._prompt_s(request, r, tiers)
-      return r.queued_prefill_tokens * self._per_token(r) + prompt_s[case]
-    times = [ttft(r) for r in replicas]
+      own = prompt_s[case]
+      return (r.queued_prefill_tokens * self._per_token(r) +
+              own * (1.0 + self.delay_weight * max(r.num_waiting, mean_waiting)))
+    times = [score(r) for r in replicas]
     least = min(times)
     return self._least([r for r, t in zip(replicas, times) if t <= least * (1 + TIE_TOLERANCE)],
                        lambda r: r.load_tokens)
+
+  def routed(self, request, replica):
+    if self.pending is not None and self._keyed_with:
+      self.pending.routed(request.keys(self._keyed_with), replica)
