@@ -41,7 +41,8 @@ def router_rows():
           ('round_robin', 'round_robin', {}),
           ('load_aware', 'least_loaded', {'metric': 'tokens'}),
           ('approximate', 'approx_prefix', {'block_size': 16}),
-          ('precise', 'precise', {}))
+          ('precise', 'precise', {}),
+          ('tier_cost', 'tier_cost', {}))
 
 
 def get_config(arg=None):
@@ -63,7 +64,12 @@ def get_config(arg=None):
       # fills profiled, rounds and buffer size (MB) of the peak measurements
       calibration=ml_collections.ConfigDict(dict(rounds=3, fills=(0.25, 0.5, 1.0),
                                                  peak_rounds=3, copy_mb=64)),
-      sim_time_scale=1.0))  # the simulated replay's arrival times, multiplied by this
+      sim_time_scale=1.0,  # the simulated replay's arrival times, multiplied by this
+      # the simulated replicas share one machine, as the live ones share this one: this many
+      # step at full speed at once (1: each step uses every core; 0: a machine each), so an
+      # iteration that starts while k replicas are busy takes k / sim_machine_share times as
+      # long (cluster/sim.py SimulatedCluster machine_share)
+      sim_machine_share=1.0))
   config.workload = ml_collections.ConfigDict(dict(
       kind='shared_prefix', tenants=8, prefix_tokens=256, question_tokens=32, output_tokens=8,
       requests=60, rate=10.0, seed=0,

@@ -82,12 +82,12 @@ ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
                   'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
                   'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50',
-                  'sim_plus_path_over_live_ttft_p50')
+                  'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean')
 COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
                    'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
                    'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
                    'sim_plus_idle_over_live_ttft_p50', 'path_p50_s', 'sim_plus_path_ttft_p50_s',
-                   'sim_plus_path_over_live_ttft_p50')
+                   'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean')
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -112,6 +112,9 @@ def check(config) -> None:
       fail(f'serve.{name}', s[name], 'an integer >= 1')
   if not s.sim_time_scale > 0:
     fail('serve.sim_time_scale', s.sim_time_scale, 'a number > 0')
+  if not (isinstance(s.sim_machine_share, (int, float)) and s.sim_machine_share >= 0):
+    fail('serve.sim_machine_share', s.sim_machine_share,
+         'a number >= 0 (0: a machine per simulated replica)')
   if s.sim_hardware != CALIBRATE:
     from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
     try:
@@ -440,8 +443,10 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
   engines = [simulated_device.simulated_engine(
       device.shape, device.hardware, typed, weight_dtype=device.weight_dtype,
       activation_dtype=device.activation_dtype) for _ in range(config.serve.replicas)]
+  share = config.serve.sim_machine_share
   cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])),
-                             max_in_flight=config.serve.concurrency)
+                             max_in_flight=config.serve.concurrency,
+                             machine_share=share if share > 0 else None)
   scale = config.serve.sim_time_scale
   cluster.run([dataclasses.replace(r, arrival_time=r.arrival_time * scale) for r in requests])
   f = cluster.figures()
@@ -462,6 +467,7 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_plus_path_ttft_p50_s': with_live_path,
           'sim_plus_path_over_live_ttft_p50': ratio(with_live_path, live_ttft),
           'sim_replica_requests': [r.routed for r in cluster.replicas],
+          'sim_slowdown_mean': f['slowdown_mean'],
           'sim_rejected': f['rejected_requests']}
 
 

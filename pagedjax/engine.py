@@ -250,6 +250,11 @@ class Engine:
 
   # ---- driving -----------------------------------------------------------------------------
 
+  @property
+  def timer(self) -> Callable[[], float]:
+    """The clock's source (time.perf_counter, or a simulated device's SimClock)."""
+    return self._timer
+
   def has_work(self) -> bool:
     with self.lock:
       return bool(self.intake.pending) or self.scheduler.has_work()

@@ -258,3 +258,30 @@ def test_progress_figures_of_nothing_measured_read_n_a():
   """A run that computed no prompt tokens has no hit rate (None): its progress line says n/a
   instead of failing to format it."""
   assert study_lib._figure(None) == 'n/a' and study_lib._figure(0.4567) == '0.457'  # pylint: disable=protected-access
+
+
+def test_replicas_sharing_one_machine_step_slower_while_others_are_busy():
+  """machine_share=1: two requests at once on two replicas take about twice as long as on
+  replicas with a machine each; a lone request (nobody else busy) takes exactly as long."""
+  cfg = config()
+  prompts = [list(range(1 + 100 * i, 65 + 100 * i)) for i in range(2)]
+
+  def ttfts(requests, share):
+    engines, _ = study_lib.make_engines(cfg, 2)
+    cluster = SimulatedCluster(engines, routers.make_router('round_robin'),
+                               machine_share=share)
+    cluster.run(requests)
+    return ([o.first_token_time - o.arrival_time for o in
+             sorted(cluster.outcomes, key=lambda o: o.request_id)], cluster)
+
+  together = [study_lib.ClusterRequest(i, p, 4, 0.0) for i, p in enumerate(prompts)]
+  alone, _ = ttfts(together, None)
+  shared, cluster = ttfts(together, 1.0)
+  assert all(1.9 < s / a < 2.1 for s, a in zip(shared, alone)), (shared, alone)
+  assert cluster.figures()['slowdown_mean'] > 1.5
+  one = [study_lib.ClusterRequest(0, prompts[0], 4, 0.0)]
+  assert ttfts(one, 1.0)[0] == ttfts(one, None)[0]
+  engines, _ = study_lib.make_engines(cfg, 2)
+  for bad in (0, -1.0, float('nan'), True):
+    with pytest.raises(ValueError, match='machine_share=.* is not allowed'):
+      SimulatedCluster(engines, routers.make_router('round_robin'), machine_share=bad)

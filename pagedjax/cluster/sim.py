@@ -306,19 +306,34 @@ class Replica:
 class SimulatedCluster:
 
   def __init__(self, engines: Seq, router: Router, costs: Optional[Seq] = None,
-               shared_store_blocks: int = 0, max_in_flight: Optional[int] = None):
+               shared_store_blocks: int = 0, max_in_flight: Optional[int] = None,
+               machine_share: Optional[float] = None):
     """engines: simulated (or real) engines with prefix caching; costs: each one's
     tier_cost.TierCosts for routers that weigh costs (None: ReplicaState.cost stays None);
     shared_store_blocks: a shared store of that many blocks under every replica (0: none;
     module docstring); max_in_flight: at most this many requests routed and not finished, as
     a client with that many connections sends them (None: no limit). A request arriving when
-    all are taken is routed when one finishes; its TTFT still counts from its arrival."""
+    all are taken is routed when one finishes; its TTFT still counts from its arrival.
+    machine_share: the replicas share one machine on which this many of them step at full
+    speed at once (processor sharing; 1 where each step uses every core): an iteration that
+    starts while k replicas are busy (stepping, or with work) takes max(1, k / machine_share)
+    times its simulated time (None: each replica has a machine of its own). Simulated
+    engines only (their SimClock stretches)."""
     if not engines:
       raise ValueError('a cluster needs at least one replica')
     if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
       raise ValueError(f'max_in_flight={max_in_flight!r} is not allowed: an integer >= 1 '
                        '(None: no limit)')
-    self.max_in_flight = max_in_flight
+    if machine_share is not None:
+      if not (isinstance(machine_share, (int, float)) and not isinstance(machine_share, bool)
+              and math.isfinite(machine_share) and machine_share > 0):
+        raise ValueError(f'machine_share={machine_share!r} is not allowed: a number > 0 '
+                         '(None: a machine per replica)')
+      if not all(hasattr(getattr(e, 'timer', None), 'slowdown') for e in engines):
+        raise ValueError(f'machine_share={machine_share} needs simulated engines (a SimClock '
+                         'timer): a real engine runs at the speed it runs')
+    self.max_in_flight, self.machine_share = max_in_flight, machine_share
+    self.slowdowns: List[float] = []  # per stepped iteration, with machine_share
     if shared_store_blocks and any(e.tiers is not None for e in engines):
       raise ValueError(f'shared_store_blocks={shared_store_blocks} with replicas that have their '
                        'own KV tiers (config.tiers) is not modelled: one or the other')
@@ -367,6 +382,11 @@ class SimulatedCluster:
         self._route(pending[i], states, next_arrival)
         i += 1
       else:
+        if self.machine_share is not None:
+          t = first.engine.clock  # replicas busy when its iteration starts, itself included
+          k = sum(1 for r in self.replicas if r is first or r.has_work() or r.engine.clock > t)
+          first.engine.timer.slowdown = max(1.0, k / self.machine_share)
+          self.slowdowns.append(first.engine.timer.slowdown)
         for c in first.step(self.index, self.store):
           self._finished(first, c)
           if self.max_in_flight is not None:
@@ -428,7 +448,8 @@ class SimulatedCluster:
         prompt_tokens_computed_with_store=int(sum(computed)),  # loaded tokens are not
         imbalance_requests=_max_over_mean(routed), imbalance_prefill=_max_over_mean(computed),
         rejected_requests=len(self.rejected), simulator_wall_s=self.wall_s,
-        kv_index_events=self.index.events_applied)
+        kv_index_events=self.index.events_applied,
+        slowdown_mean=float(np.mean(self.slowdowns)) if self.slowdowns else None)
     return out
 
   def replica_figures(self) -> List[dict]:

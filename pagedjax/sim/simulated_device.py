@@ -56,16 +56,19 @@ from pagedjax.sim.hardware import Hardware, get_hardware
 
 
 class SimClock:
-  """The engine's timer in a simulation: simulated seconds, moved only by `advance`."""
+  """The engine's timer in a simulation: simulated seconds, moved only by `advance`.
+  `slowdown` stretches every advance (1: the device alone; a simulated cluster whose replicas
+  share one machine sets it per iteration, cluster/sim.py)."""
 
   def __init__(self):
     self.now = 0.0
+    self.slowdown = 1.0
 
   def __call__(self) -> float:
     return self.now
 
   def advance(self, seconds: float) -> None:
-    self.now += seconds
+    self.now += seconds * self.slowdown
 
 
 # ---- tokens ---------------------------------------------------------------------------------
