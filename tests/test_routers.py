@@ -178,8 +178,9 @@ def test_tier_cost_charges_the_work_it_adds_for_the_requests_it_delays():
 
 def test_pending_routes_count_a_routed_prompt_until_the_index_shows_it():
   """tier_cost sends a prompt's second request where the first went while the index cannot
-  show it yet (prefill queued); once the index has shown the blocks, it alone decides (an
-  eviction is not papered over), and an entry the index never confirms expires."""
+  show it yet (prefill queued); once the index has been told of the blocks (its on_stored
+  listener), it alone decides (an eviction is not papered over), and an entry the index never
+  confirms expires."""
   cost = TierCosts.for_tiers(BS, 1000, 1e-3, host=(1e5, 0.002), disk=(1e4, 0.01))
   index = KVIndex()
   r = routers.make_router('tier_cost', index=index, pending_decisions=3)
@@ -205,6 +206,16 @@ def test_pending_routes_count_a_routed_prompt_until_the_index_shows_it():
     r.pending.extend([], {})
   assert r.pending.extend(keys2, {}) == {}  # 3 decisions on: expired
   assert not r.pending._entries and not r.pending._queue  # pylint: disable=protected-access
+  # routed to a replica the index already shows holding the prompt: nothing is pending there,
+  # so an eviction afterwards is not papered over either
+  index2 = KVIndex()
+  index2.apply(1, stored(KEYS))
+  r2 = routers.make_router('tier_cost', index=index2)
+  q3 = request(PROMPT, 3)
+  assert r2.route(q3, s) == 1
+  r2.routed(q3, 1)
+  index2.apply(1, [kv_events.AllBlocksCleared()])
+  assert r2.pending.extend(KEYS, index2.match(KEYS)) == {}
   off = routers.make_router('tier_cost', index=index, pending_decisions=0)
   assert off.pending is None
   with pytest.raises(ValueError, match='pending_decisions=-1 is not allowed'):

@@ -18,7 +18,7 @@ overwritten or failed a read) does. `match(keys, replicas)` then gives every rep
 longest prefix held on its own tiers or in the store.
 """
 import collections
-from typing import Dict, Iterable, List, Optional, Sequence as Seq, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence as Seq, Union
 
 from pagedjax.host import kv_events
 from pagedjax.host.cache.prefix_cache import chain_keys
@@ -52,6 +52,13 @@ class KVIndex:
     self._keys: Dict[int, Dict[str, set]] = collections.defaultdict(
         lambda: {m: set() for m in kv_events.MEDIA})  # replica -> medium -> keys
     self.events_applied = 0
+    self._stored_listeners: List[Callable[[int, Seq[int]], None]] = []
+
+  def on_stored(self, listener: Callable[[int, Seq[int]], None]) -> None:
+    """listener(replica, keys) after every BlockStored a replica announces on its own tiers
+    (not the shared store's): what a router that tracks its own routes confirms them by."""
+    if listener not in self._stored_listeners:
+      self._stored_listeners.append(listener)
 
   def apply(self, replica: int,
             events: Union[kv_events.KVEventBatch, Iterable[kv_events.KVEvent]]) -> None:
@@ -65,6 +72,9 @@ class KVIndex:
         holder = SHARED if medium in self.shared_media else replica
         if isinstance(event, kv_events.BlockStored):
           self._store(holder, medium, event.block_hashes)
+          if holder != SHARED:
+            for listener in self._stored_listeners:
+              listener(holder, event.block_hashes)
         else:
           self._remove(holder, medium, event.block_hashes)
       elif isinstance(event, kv_events.AllBlocksCleared):
@@ -104,43 +114,41 @@ class KVIndex:
     replicas not among `replicas` when it is given. With a shared store, each of `replicas`
     also holds what the store does (without `replicas`, only the replicas' own tiers count).
 
-    One pass over the keys that stops at the first block nobody holds: a replica is followed
-    from the first block it holds on its own tiers (when every block before it is the store's),
-    and the replicas that hold nothing of their own get the store's prefix, copied once. The
-    work is the blocks matched times the replicas holding them, not times every replica."""
+    A replica's prefix may begin on the store's blocks and go on on its own tiers: it joins
+    the store's prefix at the first block it holds (when every block before it is the store's)
+    and ends at the first block neither holds. Computed as list operations over the blocks up to
+    the first one nobody holds (each block's holders looked up once), then per replica that
+    holds one of them on its own tiers; the replicas that hold nothing of their own get the
+    store's prefix. tests/test_cluster_routing.py checks it against a block-by-block walk."""
     wanted = None if replicas is None else set(replicas)
     shared_on = wanted is not None and bool(self.shared_media)
+    get = self._holders.get
+    found = [get(key) for key in keys]
+    if None in found:
+      found = found[:found.index(None)]
     out: Dict[int, List[int]] = {}
-    followed: Dict[int, List[int]] = {}  # replicas holding blocks of the prefix on their own
-    store: List[int] = []  # the store's tiers for the prefix, while it holds every block
-    store_alive = shared_on
-    for i, key in enumerate(keys):
-      holders = self._holders.get(key)
-      if not holders:
-        break
-      shared = holders.get(SHARED, 0) if shared_on else 0
-      holding = 0  # followed replicas holding this block on their own tiers
-      for r in list(followed):
-        own = holders.get(r, 0)
-        holding += own != 0
-        if own | shared:
-          followed[r].append(_BEST[own | shared])
-        else:
-          out[r] = followed.pop(r)
-      # blocks 0..i-1 are the store's (or i = 0): a holder not followed yet joins here
-      if i == len(store) and len(holders) - (SHARED in holders) > holding:
-        for r, mask in holders.items():
-          if r != SHARED and r not in followed and (wanted is None or r in wanted):
-            followed[r] = store + [_BEST[mask | shared]]
-      if store_alive:
-        if shared:
-          store.append(_BEST[shared])
-        else:
-          store_alive = False
-      if not followed and not store_alive:
-        break
-    out.update(followed)
-    if store:
+    if not found:
+      return out
+    if shared_on:
+      shared = [h.get(SHARED, 0) for h in found]
+      store_len = shared.index(0) if 0 in shared else len(shared)
+    else:
+      shared, store_len = None, 0
+    # who can hold a prefix: a holder of a block no later than the first the store lacks
+    joining = set().union(*found[:store_len + 1])
+    joining.discard(SHARED)
+    if wanted is not None:
+      joining &= wanted
+    for r in joining:
+      if shared is None:
+        masks = [h.get(r, 0) for h in found]
+      else:
+        masks = [h.get(r, 0) | s for h, s in zip(found, shared)]
+      stop = masks.index(0) if 0 in masks else len(masks)
+      if stop:
+        out[r] = [_BEST[m] for m in masks[:stop]]
+    if store_len:
+      store = [_BEST[m] for m in shared[:store_len]]
       for r in wanted:
         if r not in out:
           out[r] = list(store)

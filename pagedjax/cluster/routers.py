@@ -306,28 +306,49 @@ class PendingRoutes:
   block once it has computed it (its KV events), so a second request for a prefix whose first
   prefill is still queued or running would find it nowhere. `routed` records the prompt's keys
   on its replica for `decisions` routing decisions; `extend` counts a recorded prefix as held
-  on the device (tier 1, as it will be) past what the index shows. A block the index has shown
-  is confirmed and never counted again (from then on the index tracks it, evictions
-  included); a block it never shows (the request failed, or was evicted before the router
-  looked) stops counting when its entry expires."""
+  on the device (tier 1, as it will be) past what the index shows. A block the index has been
+  told the replica stored (`stored`, the index's on_stored listener) is confirmed and never
+  counted again: from then on the index tracks it, evictions included. A block it is never
+  told of (the request failed, or was evicted before it was announced) stops counting when
+  its entry expires."""
 
   def __init__(self, decisions: int):
     self.decisions = decisions
     self._now = 0  # routing decisions so far
-    # key -> replica -> the last decision its entry lives (negated once the index showed it)
+    # key -> replica -> the last decision its entry lives (negated once confirmed)
     self._entries: Dict[int, Dict[int, int]] = {}
     self._queue: collections.deque = collections.deque()  # (expiry, key, replica), in order
+    self.index: Optional[KVIndex] = None  # the index it listens to (listen)
 
-  def routed(self, keys: Seq[int], replica: int) -> None:
-    until = self._now + self.decisions + 1
+  def listen(self, index: KVIndex) -> None:
+    if index is not self.index:
+      index.on_stored(self.stored)
+      self.index = index
+
+  def stored(self, replica: int, keys: Seq[int]) -> None:
+    """The index was told `replica` stored these blocks: their entries are confirmed."""
     entries = self._entries
     for key in keys:
-      entries.setdefault(key, {})[replica] = until
-      self._queue.append((until, key, replica))
+      mine = entries.get(key)
+      if mine is not None:
+        until = mine.get(replica, 0)
+        if until > 0:
+          mine[replica] = -until
+
+  def routed(self, keys: Seq[int], replica: int, shown: int = 0) -> None:
+    """Records keys on replica; the first `shown` are what the index shows it holding now
+    (recorded as confirmed: the replica will not announce them again)."""
+    until = self._now + self.decisions + 1
+    entries = self._entries
+    for i, key in enumerate(keys):
+      mine = entries.setdefault(key, {})
+      if mine.get(replica, 0) >= 0:  # a confirmed block stays the index's
+        mine[replica] = -until if i < shown else until
+        self._queue.append((until, key, replica))
 
   def extend(self, keys: Seq[int], held: Dict[int, List[int]]) -> Dict[int, List[int]]:
     """`held` (KVIndex.match's replica -> tiers of its prefix) with each replica's recorded,
-    unconfirmed prefix past it counted as device blocks; one routing decision passes.
+    unconfirmed blocks right after it counted as device blocks; one routing decision passes.
 
     A chain key names its whole prefix, and `routed` records a prompt from its first block, so
     only replicas with an entry for keys[0] can have entries for this prompt at all."""
@@ -343,22 +364,18 @@ class PendingRoutes:
     first = entries.get(keys[0]) if keys else None
     if not first:
       return held
-    out = dict(held)
-    for replica in list(first):
+    out = held
+    for replica in first:
       tiers = held.get(replica, ())
-      n = 0
-      for n, key in enumerate(keys):
-        mine = entries.get(key)
-        state = mine.get(replica, 0) if mine else 0
-        if n < len(tiers):
-          if state > 0:
-            mine[replica] = -state  # the index shows it: confirmed
-          continue
-        if state <= 0:  # not recorded, or confirmed (and gone since: the index knows)
+      n = len(tiers)
+      while n < len(keys):
+        mine = entries.get(keys[n])
+        if not mine or mine.get(replica, 0) <= 0:
           break
-      else:
-        n = len(keys)
+        n += 1
       if n > len(tiers):
+        if out is held:
+          out = dict(held)
         out[replica] = [*tiers, *([1] * (n - len(tiers)))]
     return out
 
@@ -390,6 +407,7 @@ class TierCostRouter(Router):
     self.delay_weight = float(delay_weight)
     self.pending = PendingRoutes(pending_decisions) if pending_decisions else None
     self._keyed_with = 0  # the block size route() last keyed a request with
+    self._shown, self._shown_for = {}, None  # the index's match for those keys
 
   def expected_ttft_s(self, request: RouteRequest, replica: ReplicaState,
                       tiers: Seq[int]) -> float:
@@ -438,6 +456,8 @@ class TierCostRouter(Router):
     keys = request.keys(self._keyed_with)
     held = self.index.match(keys, [r.index for r in replicas]) if keys else {}
     if self.pending is not None:
+      self.pending.listen(self.index)
+      self._shown, self._shown_for = held, keys  # routed() records what the index showed
       held = self.pending.extend(keys, held)
     prompt_s: Dict[tuple, float] = {}  # replicas of one cost model holding the same tiers
     # (every replica on the shared store's prefix, say) cost the prompt the same: once each
@@ -458,4 +478,6 @@ class TierCostRouter(Router):
 
   def routed(self, request, replica):
     if self.pending is not None and self._keyed_with:
-      self.pending.routed(request.keys(self._keyed_with), replica)
+      keys = request.keys(self._keyed_with)
+      shown = self._shown.get(replica, ()) if self._shown_for is keys else ()
+      self.pending.routed(keys, replica, len(shown))
