@@ -56,11 +56,12 @@ import functools
 import hashlib
 import os
 import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pagedjax.host import native_build
 
 from . import contract
 
@@ -130,26 +131,9 @@ def build(cxx=None, stem='paged_attention_cpu', sources=SOURCES):
     path = library_path(cxx, stem, sources)
   except (OSError, subprocess.SubprocessError) as e:
     raise RuntimeError(f'no working C++ compiler {cxx!r} ($CXX): {e}') from None
-  if os.path.exists(path):
-    return path
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix='.so.tmp', dir=os.path.dirname(path))
-  os.close(fd)
-  command = [cxx, *CXXFLAGS, '-isystem', jax.ffi.include_dir(),
-             os.path.join(_CSRC, sources[0]), '-o', tmp]
-  try:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
-                          check=False)
-    if done.returncode != 0:
-      tail = ' '.join(done.stderr.strip().splitlines()[-5:])
-      raise RuntimeError(f'{" ".join(command)} failed ({done.returncode}): {tail}')
-    os.replace(tmp, path)
-  except (OSError, subprocess.SubprocessError) as e:
-    raise RuntimeError(f'compiling the CPU kernel with {cxx!r} failed: {e}') from None
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  return path
+  command = [cxx, *CXXFLAGS, '-isystem', jax.ffi.include_dir(), os.path.join(_CSRC, sources[0])]
+  return native_build.compile_once(command, path, f'the CPU kernel with {cxx!r}',
+                                   _BUILD_TIMEOUT_S)
 
 
 def load_library(stem: str, sources, target: str, symbol: str):

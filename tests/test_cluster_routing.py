@@ -70,6 +70,20 @@ def test_native_chain_keys_refuse_bad_input_by_name():
     native([1], 0, 1, 0, b'N')
 
 
+def test_the_chain_key_module_build_names_the_compiler_it_could_not_run(tmp_path, monkeypatch):
+  """Without a working $CC the build says so (and chain_keys keeps its Python loop, the
+  parametrized test above); with one it compiles into $PAGEDJAX_HOST_CACHE once."""
+  monkeypatch.setenv('PAGEDJAX_HOST_CACHE', str(tmp_path))
+  monkeypatch.setenv('CC', '/nonexistent/cc')
+  with pytest.raises(RuntimeError, match="no working C compiler '/nonexistent/cc'"):
+    native_keys.build()
+  monkeypatch.delenv('CC')
+  if native_keys.chain_keys_fn() is None:
+    pytest.skip(f'no C compiler here: {native_keys.unavailable_reason()}')
+  path = native_keys.build()
+  assert path.startswith(str(tmp_path)) and native_keys.build() == path
+
+
 def test_a_replica_files_blocks_under_the_keys_its_router_computed():
   """Two simulated replicas serve one prompt: one is handed the router's keys, the other
   hashes its own; both caches then hold exactly the router's keys."""

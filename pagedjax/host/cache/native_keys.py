@@ -22,7 +22,8 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
+
+from pagedjax.host import native_build
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc', 'chain_keys.c')
 CFLAGS = ('-O3', '-std=c99', '-fPIC', '-shared')
@@ -61,28 +62,11 @@ def build() -> str:
     path = module_path(cc)
   except (OSError, subprocess.SubprocessError) as e:
     raise RuntimeError(f'no working C compiler {cc!r} ($CC): {e}') from None
-  if os.path.exists(path):
-    return path
   include = sysconfig.get_paths()['include']
-  if not os.path.exists(os.path.join(include, 'Python.h')):
+  if not os.path.exists(path) and not os.path.exists(os.path.join(include, 'Python.h')):
     raise RuntimeError(f"this Python's headers are not installed (no Python.h in {include})")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix='.so.tmp', dir=os.path.dirname(path))
-  os.close(fd)
-  command = [cc, *CFLAGS, '-I', include, SOURCE, '-o', tmp]
-  try:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
-                          check=False)
-    if done.returncode != 0:
-      tail = ' '.join(done.stderr.strip().splitlines()[-5:])
-      raise RuntimeError(f'{" ".join(command)} failed ({done.returncode}): {tail}')
-    os.replace(tmp, path)
-  except (OSError, subprocess.SubprocessError) as e:
-    raise RuntimeError(f'compiling the chain-key module with {cc!r} failed: {e}') from None
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-  return path
+  return native_build.compile_once([cc, *CFLAGS, '-I', include, SOURCE], path,
+                                   f'the chain-key module with {cc!r}', _BUILD_TIMEOUT_S)
 
 
 @functools.lru_cache(maxsize=None)
