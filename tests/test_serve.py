@@ -325,7 +325,9 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
   for field, value, says in (('serve.replicas', 0, 'config.serve.replicas=0'),
                              ('workload.kind', 'sharegpt', "one of ('mooncake'"),
                              ('serve.routers', (('x', 'no_such_router', {}),), 'no_such_router'),
-                             ('serve.sim_hardware', 'tpu-v9', "serve.sim_hardware='tpu-v9'")):
+                             ('serve.sim_hardware', 'tpu-v9', "serve.sim_hardware='tpu-v9'"),
+                             ('serve.sim_machine_share', -1.0,
+                              'config.serve.sim_machine_share=-1.0 is not allowed')):
     bad = serve_config.get_config('tiny')
     section, name = field.split('.')
     bad[section][name] = value
