@@ -6,8 +6,8 @@ head)`, or None where it cannot be built or loaded (`unavailable_reason()` says 
 prefix cache then keeps its pure-Python loop, which computes the same keys
 (tests/test_cluster_routing.py checks both against block_key). The C loop reads the ids as
 int64 and hashes each block with BLAKE2b-64 without the interpreter's per-block work: on the
-Mooncake trace's longest prompt (235 blocks of 64) it took about a quarter of the Python loop's
-time (docs/cluster.md, Routing cost).
+Mooncake trace's longest prompt (235 blocks of 64) it took half the Python loop's time
+(docs/cluster.md, Routing cost).
 
 Build: the C compiler (`$CC`, default cc) with the running Python's headers, into
 `~/.cache/pagedjax/host/` (`$PAGEDJAX_HOST_CACHE` overrides the directory), named by a hash of the
