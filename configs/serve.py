@@ -69,7 +69,10 @@ def get_config(arg=None):
       # step at full speed at once (1: each step uses every core; 0: a machine each), so an
       # iteration that starts while k replicas are busy takes k / sim_machine_share times as
       # long (cluster/sim.py SimulatedCluster machine_share)
-      sim_machine_share=1.0))
+      sim_machine_share=1.0,
+      # an earlier run's workdir: only the simulated replay again, against the live figures
+      # and the calibrated device written there (experiments/serve.py replay_study); '' : a run
+      replay_from=''))
   config.workload = ml_collections.ConfigDict(dict(
       kind='shared_prefix', tenants=8, prefix_tokens=256, question_tokens=32, output_tokens=8,
       requests=60, rate=10.0, seed=0,

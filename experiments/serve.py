@@ -39,6 +39,11 @@ simulated and their difference, TTFT p50 live and simulated and their ratio, and
 ratio with the serving path added to the simulated figure (idle_ttft_s or path_p50_s: the
 simulated cluster has no HTTP, proxy, ingress or replica call).
 
+`--config.serve.replay_from=DIR` runs the simulated half alone again, against the live figures
+and the calibrated device an earlier run wrote to DIR (no Ray, seconds): for changing the
+simulator (sim_machine_share, sim_time_scale, a router's kwargs) and comparing with the same
+live run (replay_study).
+
 Writes to WORKDIR:
   requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts,
                  TTFT's stages (s), its serving path, the compile seconds its replica spent
@@ -52,6 +57,7 @@ Writes to WORKDIR:
 """
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -112,6 +118,14 @@ def check(config) -> None:
       fail(f'serve.{name}', s[name], 'an integer >= 1')
   if not s.sim_time_scale > 0:
     fail('serve.sim_time_scale', s.sim_time_scale, 'a number > 0')
+  if s.replay_from:
+    if not s.simulate:
+      fail('serve.simulate', s.simulate, f'True with serve.replay_from={s.replay_from!r} (the '
+           'replay is the simulated half)')
+    for name in ('summary.json', 'hardware_profile.json'):
+      if not os.path.exists(os.path.join(s.replay_from, name)):
+        fail('serve.replay_from', s.replay_from,
+             f'the workdir of an earlier run of this study (no {name} there)')
   if not (isinstance(s.sim_machine_share, (int, float)) and s.sim_machine_share >= 0):
     fail('serve.sim_machine_share', s.sim_machine_share,
          'a number >= 0 (0: a machine per simulated replica)')
@@ -495,7 +509,73 @@ def plot(routers: list, workdir: str, title: str) -> None:
   plt.close(fig)
 
 
+# What a replay takes from the earlier run's config: the same requests on the same replicas.
+REPLAY_SAME = ('workload', 'pool', 'engine', 'model', 'prefix_cache', 'scheduler',
+               'serve.replicas', 'serve.concurrency')
+SIM_KEYS = ('sim_prefix_hit_rate_tokens', 'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed',
+            'sim_ttft_p50_s', 'sim_ttft_p90_s', 'sim_over_live_ttft_p50',
+            'sim_plus_idle_ttft_p50_s', 'sim_plus_idle_over_live_ttft_p50',
+            'sim_plus_path_ttft_p50_s', 'sim_plus_path_over_live_ttft_p50',
+            'sim_replica_requests', 'sim_slowdown_mean', 'sim_rejected')
+
+
+def replay_study(config, workdir: str) -> dict:
+  """serve.replay_from=DIR: the simulated half of the study again, against the live figures an
+  earlier run wrote to DIR (its summary.json) and on the device it calibrated there
+  (DIR/hardware_profile.json), for each pagedjax router row of this config; no Ray, no live
+  run. This config must give the same requests on the same replicas (REPLAY_SAME: a
+  ConfigError names the field that differs); the simulator's own settings (sim_machine_share,
+  sim_time_scale, the routers' kwargs) may change, which is what a replay is for. Writes
+  routers.csv, table.md and summary.json (`replayed_from`) to workdir."""
+  s = config.serve
+  with open(os.path.join(s.replay_from, 'summary.json')) as f:
+    saved = json.load(f)
+  # as JSON both (tuples are lists in the saved file)
+  before = saved.get('config') or {}
+  now = json.loads(json.dumps(config.to_dict(), default=str))
+  for field in REPLAY_SAME:
+    a, b = before, now
+    for part in field.split('.'):
+      a, b = (a or {}).get(part), (b or {}).get(part)
+    if a != b:
+      raise ConfigError(f'config.{field} differs from the run in {s.replay_from} ({b!r} here, '
+                        f'{a!r} there): a replay needs the same requests on the same replicas')
+  live_rows = {r['router']: r for r in saved.get('routers', [])}
+  typed = factory.typed(config)
+  tokenizer = tokenizer_for(typed)
+  vocab = (typed.model.random.vocab_size if typed.model.source == 'random' else
+           tokenizer.vocab_size)
+  requests, _ = make_requests(config, vocab)
+  engine = factory.build_engine(typed, tokenizer)
+  from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
+  device = SimDevice(hardware.get_hardware(os.path.join(s.replay_from, 'hardware_profile.json')),
+                     *own_model(config, engine))
+  del engine
+  routers = []
+  for row in s.routers:
+    if row[1] in serve_lib.RAY_ROUTERS:
+      continue
+    if row[0] not in live_rows:
+      raise ConfigError(f'config.serve.routers row {row[0]!r} has no live figures in '
+                        f'{s.replay_from}; it has {sorted(live_rows)}')
+    figures = {k: v for k, v in live_rows[row[0]].items() if k not in SIM_KEYS}
+    figures.update(simulated_router(config, row, requests, device, figures))
+    routers.append(figures)
+  run_info.write_csv(os.path.join(workdir, 'routers.csv'), routers, ROUTER_COLUMNS)
+  table = (f'The simulated replay of {s.replay_from}\'s live run (live figures from there, '
+           f'simulated on {device.hardware.name}, sim_machine_share={s.sim_machine_share})\n\n'
+           f'{run_info.markdown_table(routers, COMPARE_COLUMNS)}\n')
+  cli.write_table(workdir, table)
+  summary = {'replayed_from': os.path.abspath(s.replay_from), 'requests': len(requests),
+             'routers': routers, 'sim_hardware': device.hardware.name,
+             **run_info.summary_fields(config)}
+  run_info.write_json(os.path.join(workdir, 'summary.json'), summary)
+  return summary
+
+
 def study(config, workdir: str) -> dict:
+  if config.serve.replay_from:
+    return replay_study(config, workdir)
   # Serve's driver-side INFO lines (each deployment's start, connect, stop) are not results.
   logging.getLogger('ray.serve').setLevel(logging.WARNING)
   load_before = os.getloadavg()

@@ -339,3 +339,44 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
   prefixes = {tuple(r.prompt_ids[:w.prefix_tokens]) for r in requests}
   assert 1 < len(prefixes) <= w.tenants
   assert all(len(r.prompt_ids) == w.prefix_tokens + w.question_tokens for r in requests)
+
+
+def test_a_replay_reruns_the_simulated_half_against_an_earlier_runs_live_figures(tmp_path):
+  """serve.replay_from: no Ray, no live run; the live figures come from the earlier run's
+  summary.json, the device from its hardware_profile.json; the simulated figures are computed
+  again (the stale ones are not kept). Another workload, or a row the run has no live figures
+  for, is refused by name."""
+  import copy
+  import json
+  from pagedjax.sim import hardware
+  config = serve_config.get_config('tiny')
+  config.serve.routers = (('precise', 'precise', {}),)
+  saved = tmp_path / 'run'
+  saved.mkdir()
+  hardware.save_profile(str(saved / 'hardware_profile.json'), hardware.get_hardware('h100-sxm'))
+  live = {'router': 'precise', 'prefix_hit_rate_tokens': 0.5, 'ttft_p50_s': 0.1,
+          'idle_ttft_s': 0.02, 'path_p50_s': 0.03, 'sim_prefix_hit_rate_tokens': 9.9}
+  (saved / 'summary.json').write_text(json.dumps(
+      {'routers': [live], 'config': json.loads(json.dumps(config.to_dict(), default=str))}))
+  config.serve.replay_from = str(saved)
+  serve_study.check(config)
+  out = serve_study.study(config, str(tmp_path / 'replay'))
+  (row,) = out['routers']
+  assert row['router'] == 'precise' and row['prefix_hit_rate_tokens'] == 0.5
+  assert 0 <= row['sim_prefix_hit_rate_tokens'] <= 1
+  assert row['sim_hit_rate_minus_live'] == pytest.approx(row['sim_prefix_hit_rate_tokens'] - 0.5)
+  assert row['sim_plus_path_ttft_p50_s'] == pytest.approx(row['sim_ttft_p50_s'] + 0.03)
+  assert {p.name for p in (tmp_path / 'replay').iterdir()} >= {'routers.csv', 'table.md',
+                                                              'summary.json'}
+  other = copy.deepcopy(config)
+  other.workload.requests = 13
+  with pytest.raises(ConfigError, match='config.workload differs from the run in'):
+    serve_study.study(other, str(tmp_path / 'other'))
+  other = copy.deepcopy(config)
+  other.serve.routers = (('tier_cost', 'tier_cost', {}),)
+  with pytest.raises(ConfigError, match="row 'tier_cost' has no live figures"):
+    serve_study.study(other, str(tmp_path / 'other'))
+  other = copy.deepcopy(config)
+  other.serve.replay_from = str(tmp_path / 'nowhere')
+  with pytest.raises(ConfigError, match='config.serve.replay_from=.* the workdir of an earlier'):
+    serve_study.check(other)
