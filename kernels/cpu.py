@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pagedjax.host import native_build
+from pagedjax import native_build
 
 from . import contract
 

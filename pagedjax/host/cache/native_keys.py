@@ -23,7 +23,7 @@ import subprocess
 import sys
 import sysconfig
 
-from pagedjax.host import native_build
+from pagedjax import native_build
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'csrc', 'chain_keys.c')
 CFLAGS = ('-O3', '-std=c99', '-fPIC', '-shared')

@@ -1,5 +1,6 @@
-"""Compiling a native library once into a cache path (host code, no jax): the native CPU kernels
-(kernels/cpu.py) and the prefix cache's C chain keys (host/cache/native_keys.py) build this way.
+"""Compiling a native library once into a cache path: a build step, neither host nor device
+code, and free of jax. The native CPU kernels (kernels/cpu.py) and the prefix cache's C chain
+keys (host/cache/native_keys.py) build this way.
 """
 import os
 import subprocess
