@@ -25,7 +25,8 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 prefill rate + (the part of the prompt not held x prefill rate + loading the
                 held part from its tiers, each block from its best tier, the promotion rule's
                 cheapest split of load vs recompute) x (1 + delay_weight x the larger of the
-                requests waiting there and the mean waiting per replica).
+                requests waiting there and the mean waiting per replica). What it routed counts
+                as held on the device there until the index shows it (PendingRoutes).
 
 Every policy takes equally good replicas in turn (by index), after the least loaded among them
 for precise and tier_cost (queued + running tokens): never always the first of equals.
