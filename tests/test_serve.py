@@ -144,11 +144,17 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
   """...and its engine is handed the chain keys the router computed (not hashing it again)."""
   deployment, _, _ = setup
   prompt = list(range(100, 180))  # 5 full blocks of 16
+  last = routers.RouteRequest(0, prompt).keys(BLOCK)[-1]
   replicas = set()
   for _ in range(3):
     status, out = serve_lib.post(deployment.url, body(prompt, 2), TIMEOUT_S)
     assert status == 200, out
     replicas.add(out['pagedjax']['replica'])
+    # the replica's events reach the bus asynchronously: the next request is routed once they
+    # have (a request that came first would be routed by load, racing the announcement)
+    wait_for(lambda: last in announced(deployment, out['pagedjax']['replica'],
+                                       kv_events.MEDIUM_GPU),
+             "the replica's BlockStored(GPU) events for the prompt on the bus")
   assert len(replicas) == 1
   (replica,) = replicas
   wait_for(lambda: figures(deployment, replica).get('keys_handed', 0) >= 3,
@@ -197,13 +203,18 @@ def wait_for(check, what: str):
   raise AssertionError(f'not within {TIMEOUT_S} s: {what}')
 
 
-def on_disk(deployment, replica: str) -> set:
-  """The chain keys a replica announced as stored on disk (its BlockStored(DISK) events)."""
+def announced(deployment, replica: str, medium: str) -> set:
+  """The chain keys a replica announced as stored in `medium` (its BlockStored events)."""
   _, batches, _, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
   return {key for uid, wire in batches if uid == replica
           for e in kv_events.batch_from_wire(wire).events
-          if isinstance(e, kv_events.BlockStored) and e.medium == kv_events.MEDIUM_DISK
+          if isinstance(e, kv_events.BlockStored) and (e.medium or kv_events.MEDIUM_GPU) == medium
           for key in e.block_hashes}
+
+
+def on_disk(deployment, replica: str) -> set:
+  """The chain keys a replica announced as stored on disk (its BlockStored(DISK) events)."""
+  return announced(deployment, replica, kv_events.MEDIUM_DISK)
 
 
 def figures(deployment, replica: str) -> dict:
