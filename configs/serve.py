@@ -70,6 +70,10 @@ def get_config(arg=None):
       # iteration that starts while k replicas are busy takes k / sim_machine_share times as
       # long (cluster/sim.py SimulatedCluster machine_share)
       sim_machine_share=1.0,
+      # True: each router row's share is what its live replicas had of this machine, (cores -
+      # the CPU everything else used during its replay) / cores (experiments/serve.py
+      # machine_share); sim_machine_share where that was not measured
+      sim_share_measured=True,
       # an earlier run's workdir: only the simulated replay again, against the live figures
       # and the calibrated device written there (experiments/serve.py replay_study); '' : a run
       replay_from=''))

@@ -39,6 +39,11 @@ simulated and their difference, TTFT p50 live and simulated and their ratio, and
 ratio with the serving path added to the simulated figure (idle_ttft_s or path_p50_s: the
 simulated cluster has no HTTP, proxy, ingress or replica call).
 
+The simulated replicas share one machine as the live ones do (serve.sim_machine_share; with
+serve.sim_share_measured, the default, each row's share is what its live replicas had of this
+machine: the CPU every other process took during its replay, `serving_cores`, read from /proc,
+left out).
+
 `--config.serve.replay_from=DIR` runs the simulated half alone again, against the live figures
 and the calibrated device an earlier run wrote to DIR (no Ray, seconds): for changing the
 simulator (sim_machine_share, sim_time_scale, a router's kwargs) and comparing with the same
@@ -88,12 +93,14 @@ ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
                   'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
                   'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50',
-                  'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean')
+                  'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
+                  'sim_machine_share')
 COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
                    'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
                    'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
                    'sim_plus_idle_over_live_ttft_p50', 'path_p50_s', 'sim_plus_path_ttft_p50_s',
-                   'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean')
+                   'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
+                   'sim_machine_share')
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -126,7 +133,8 @@ def check(config) -> None:
       if not os.path.exists(os.path.join(s.replay_from, name)):
         fail('serve.replay_from', s.replay_from,
              f'the workdir of an earlier run of this study (no {name} there)')
-  if not (isinstance(s.sim_machine_share, (int, float)) and s.sim_machine_share >= 0):
+  if not (isinstance(s.sim_machine_share, (int, float)) and not isinstance(
+      s.sim_machine_share, bool) and s.sim_machine_share >= 0):
     fail('serve.sim_machine_share', s.sim_machine_share,
          'a number >= 0 (0: a machine per simulated replica)')
   if s.sim_hardware != CALIBRATE:
@@ -366,6 +374,44 @@ def ratio(a, b):
   return a / b if a is not None and b else None
 
 
+def machine_busy_s() -> Optional[float]:
+  """CPU seconds every process on this machine has run so far (/proc/stat: all but idle and
+  iowait); None where there is no /proc."""
+  try:
+    with open('/proc/stat') as f:
+      fields = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+  return (sum(fields) - idle) / os.sysconf('SC_CLK_TCK')
+
+
+def process_cpu_s(pid) -> Optional[float]:
+  """CPU seconds (user + system) process `pid` has run so far; None if it cannot be read."""
+  try:
+    with open(f'/proc/{int(pid)}/stat') as f:
+      fields = f.read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError, TypeError):
+    return None
+
+
+def serving_cores(before: dict, after: dict, seconds: float) -> Optional[float]:
+  """Cores' worth of CPU that everything but the replicas used over a replay: the machine's
+  busy seconds less the replicas' own, over the replay's wall time. before / after: {'machine':
+  machine_busy_s(), 'replicas': {pid: process_cpu_s(pid)}}, the same pids in both."""
+  replicas = [after['replicas'][p] - before['replicas'][p] for p in before['replicas']
+              if before['replicas'][p] is not None and after['replicas'].get(p) is not None]
+  if (before['machine'] is None or after['machine'] is None or not seconds or
+      len(replicas) != len(before['replicas']) or not replicas):
+    return None
+  return max(0.0, (after['machine'] - before['machine'] - sum(replicas)) / seconds)
+
+
+def cpu_snapshot(pids) -> dict:
+  return {'machine': machine_busy_s(), 'replicas': {p: process_cpu_s(p) for p in pids}}
+
+
 def live_router(config, typed, tokenizer, row, requests) -> tuple:
   s = config.serve
   deployment = serve_lib.ServeDeployment(
@@ -385,9 +431,14 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
     idle = [serve_lib.post_stream(deployment.url, probe, s.request_timeout_s)[2]
             for _ in range(IDLE_PROBES)]
     before = deployment.replica_summaries()  # (their compile seconds before the replay)
+    pids = sorted({x.get('pid') for x in before.values() if x.get('pid') is not None})
+    # the CPU the serving processes (proxy, ingress, controller, Ray, this client) take beside
+    # the replicas: what serve.sim_share_measured leaves the simulated replicas
+    cpu_before = cpu_snapshot(pids) if len(pids) == s.replicas else None
     t0 = time.monotonic()
     rows = replay(deployment.url, requests, s.concurrency, s.request_timeout_s)
     replay_s = time.monotonic() - t0
+    cpu_after = cpu_snapshot(pids) if cpu_before is not None else None
     ok = sum(r['status'] == 200 for r in rows)
     deadline, summaries = time.monotonic() + 30, {}
     while time.monotonic() < deadline:  # each replica publishes its figures when it goes idle
@@ -420,6 +471,8 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       # requests whose engine took the router's chain keys instead of hashing the prompt
       'keys_handed': sum(x.get('keys_handed', 0) for x in summaries.values()),
       'start_s': deployment.start_s, 'replay_s': replay_s,
+      'serving_cores': (serving_cores(cpu_before, cpu_after, replay_s)
+                        if cpu_before is not None else None),
       'replica_requests': per_replica,
       # where the TTFT went: each stage's mean over the answered requests (means add up to the
       # mean TTFT; medians would not), and the replicas' compile seconds during the replay
@@ -447,6 +500,20 @@ def model_shape(config) -> sizing.ModelShape:
   return sizing.PRESETS['smollm2-135m']
 
 
+def machine_share(config, live: dict) -> float:
+  """The simulated replicas' machine share: serve.sim_machine_share, or with
+  serve.sim_share_measured the part of this machine the live replicas had, (cores -
+  serving_cores) / cores, serving_cores being the CPU everything else took during that
+  router's replay (at least 0.1; serve.sim_machine_share where it was not measured)."""
+  share = config.serve.sim_machine_share
+  if not config.serve.sim_share_measured:
+    return float(share)
+  cores, others = os.cpu_count() or 1, live.get('serving_cores')
+  if others is None:
+    return float(share)
+  return max(0.1, min(1.0, (cores - others) / cores))
+
+
 def simulated_router(config, row, requests, device: SimDevice, live: dict) -> dict:
   """The same requests on SimulatedCluster replicas of the live ones' engine config and pool,
   on `device`, at most serve.concurrency in flight (the live client's connections), arrival
@@ -457,7 +524,7 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
   engines = [simulated_device.simulated_engine(
       device.shape, device.hardware, typed, weight_dtype=device.weight_dtype,
       activation_dtype=device.activation_dtype) for _ in range(config.serve.replicas)]
-  share = config.serve.sim_machine_share
+  share = machine_share(config, live)
   cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])),
                              max_in_flight=config.serve.concurrency,
                              machine_share=share if share > 0 else None)
@@ -482,6 +549,7 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_plus_path_over_live_ttft_p50': ratio(with_live_path, live_ttft),
           'sim_replica_requests': [r.routed for r in cluster.replicas],
           'sim_slowdown_mean': f['slowdown_mean'],
+          'sim_machine_share': share,
           'sim_rejected': f['rejected_requests']}
 
 
@@ -516,7 +584,7 @@ SIM_KEYS = ('sim_prefix_hit_rate_tokens', 'sim_hit_rate_minus_live', 'sim_prompt
             'sim_ttft_p50_s', 'sim_ttft_p90_s', 'sim_over_live_ttft_p50',
             'sim_plus_idle_ttft_p50_s', 'sim_plus_idle_over_live_ttft_p50',
             'sim_plus_path_ttft_p50_s', 'sim_plus_path_over_live_ttft_p50',
-            'sim_replica_requests', 'sim_slowdown_mean', 'sim_rejected')
+            'sim_replica_requests', 'sim_slowdown_mean', 'sim_machine_share', 'sim_rejected')
 
 
 def replay_study(config, workdir: str) -> dict:

@@ -7,6 +7,7 @@ with the same tokens, and the router forgets it. One deployment for the module, 
 down (Ray included); every wait bounded."""
 import contextlib
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -391,3 +392,26 @@ def test_a_replay_reruns_the_simulated_half_against_an_earlier_runs_live_figures
   other.serve.replay_from = str(tmp_path / 'nowhere')
   with pytest.raises(ConfigError, match='config.serve.replay_from=.* the workdir of an earlier'):
     serve_study.check(other)
+
+
+def test_the_measured_machine_share_is_what_the_serving_processes_left():
+  """serve.sim_share_measured: the simulated replicas get (cores - serving_cores) / cores of
+  the machine, serving_cores being the machine's busy CPU less the replicas' own over the
+  replay; unmeasured rows keep serve.sim_machine_share."""
+  before = {'machine': 10.0, 'replicas': {11: 1.0, 12: 2.0}}
+  after = {'machine': 16.0, 'replicas': {11: 2.5, 12: 3.0}}
+  assert serve_study.serving_cores(before, after, 2.0) == pytest.approx(1.75)  # (6 - 2.5) / 2
+  assert serve_study.serving_cores(before, {**after, 'replicas': {11: 2.5}}, 2.0) is None
+  assert serve_study.serving_cores({**before, 'machine': None}, after, 2.0) is None
+  config = serve_config.get_config('tiny')
+  config.serve.sim_share_measured = True
+  cores = os.cpu_count()
+  assert serve_study.machine_share(config, {'serving_cores': cores / 4}) == pytest.approx(0.75)
+  assert serve_study.machine_share(config, {'serving_cores': 10.0 * cores}) == 0.1
+  assert serve_study.machine_share(config, {'serving_cores': None}) == 1.0
+  config.serve.sim_share_measured = False
+  config.serve.sim_machine_share = 0.5
+  assert serve_study.machine_share(config, {'serving_cores': cores / 4}) == 0.5
+  busy = serve_study.machine_busy_s()
+  assert busy is None or busy > 0
+  assert serve_study.process_cpu_s(os.getpid()) > 0
