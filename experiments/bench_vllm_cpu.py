@@ -53,6 +53,7 @@ from absl import flags
 import numpy as np
 
 from experiments import cli
+from experiments import cpu_time
 
 _STEP = flags.DEFINE_enum('step', None, ['pagedjax', 'compare', 'interleaved'],
                           'pagedjax: export + time the engine; compare: read both sides; '
@@ -157,35 +158,6 @@ def tuned_vllm_env(python: str) -> dict:
   return env
 
 
-def _tree(pid: int):
-  """{pid: user + system CPU ticks} of process `pid` and every descendant (vLLM's engine core
-  runs in a child process), from /proc; {} where /proc is missing."""
-  parents, ticks = {}, {}
-  for entry in os.listdir('/proc') if os.path.isdir('/proc') else ():
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f'/proc/{entry}/stat') as f:
-        fields = f.read().rsplit(')', 1)[1].split()
-    except OSError:
-      continue
-    parents[int(entry)] = int(fields[1])
-    ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime, stime
-  tree, frontier = {pid}, [pid]
-  while frontier:
-    parent = frontier.pop()
-    for child, ppid in parents.items():
-      if ppid == parent and child not in tree:
-        tree.add(child)
-        frontier.append(child)
-  return {p: ticks[p] for p in tree if p in ticks}
-
-
-def _tree_cpu_s(pid: int) -> float:
-  """CPU seconds of process `pid` and its descendants (_tree)."""
-  return sum(_tree(pid).values()) / os.sysconf('SC_CLK_TCK')
-
-
 class VllmProcess:
   """experiments/bench_vllm_cpu_vllm.py --serve in the vLLM venv: one generate call per run()."""
 
@@ -220,14 +192,14 @@ class VllmProcess:
     return out['wall_s'], out['output_ids']
 
   def cpu_s(self) -> float:
-    return _tree_cpu_s(self.proc.pid)
+    return cpu_time.tree_cpu_s(self.proc.pid)
 
   def pause(self, stop: bool) -> None:
     """SIGSTOP (stop) or SIGCONT the vLLM processes: stopped, an idle vLLM takes no CPU while
     the engine runs (its processes otherwise wake up and poll: measured as
     vllm_cpu_s_while_engine_ran)."""
     import signal  # pylint: disable=import-outside-toplevel
-    for pid in _tree(self.proc.pid):
+    for pid in cpu_time.tree_ticks(self.proc.pid):
       try:
         os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
       except ProcessLookupError:

@@ -71,6 +71,7 @@ from typing import Optional
 import numpy as np
 
 from experiments import cli
+from experiments import cpu_time
 from pagedjax import factory, sizing
 from pagedjax.studies import run_info
 from pagedjax.studies import workloads
@@ -374,32 +375,11 @@ def ratio(a, b):
   return a / b if a is not None and b else None
 
 
-def machine_busy_s() -> Optional[float]:
-  """CPU seconds every process on this machine has run so far (/proc/stat: all but idle and
-  iowait); None where there is no /proc."""
-  try:
-    with open('/proc/stat') as f:
-      fields = [int(x) for x in f.readline().split()[1:]]
-  except (OSError, ValueError):
-    return None
-  idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-  return (sum(fields) - idle) / os.sysconf('SC_CLK_TCK')
-
-
-def process_cpu_s(pid) -> Optional[float]:
-  """CPU seconds (user + system) process `pid` has run so far; None if it cannot be read."""
-  try:
-    with open(f'/proc/{int(pid)}/stat') as f:
-      fields = f.read().rsplit(')', 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
-  except (OSError, ValueError, IndexError, TypeError):
-    return None
-
-
 def serving_cores(before: dict, after: dict, seconds: float) -> Optional[float]:
   """Cores' worth of CPU that everything but the replicas used over a replay: the machine's
   busy seconds less the replicas' own, over the replay's wall time. before / after: {'machine':
-  machine_busy_s(), 'replicas': {pid: process_cpu_s(pid)}}, the same pids in both."""
+  cpu_time.machine_busy_s(), 'replicas': {pid: cpu_time.process_cpu_s(pid)}}, the same pids
+  in both."""
   replicas = [after['replicas'][p] - before['replicas'][p] for p in before['replicas']
               if before['replicas'][p] is not None and after['replicas'].get(p) is not None]
   if (before['machine'] is None or after['machine'] is None or not seconds or
@@ -409,7 +389,8 @@ def serving_cores(before: dict, after: dict, seconds: float) -> Optional[float]:
 
 
 def cpu_snapshot(pids) -> dict:
-  return {'machine': machine_busy_s(), 'replicas': {p: process_cpu_s(p) for p in pids}}
+  return {'machine': cpu_time.machine_busy_s(),
+          'replicas': {p: cpu_time.process_cpu_s(p) for p in pids}}
 
 
 def live_router(config, typed, tokenizer, row, requests) -> tuple:
@@ -580,11 +561,6 @@ def plot(routers: list, workdir: str, title: str) -> None:
 # What a replay takes from the earlier run's config: the same requests on the same replicas.
 REPLAY_SAME = ('workload', 'pool', 'engine', 'model', 'prefix_cache', 'scheduler',
                'serve.replicas', 'serve.concurrency')
-SIM_KEYS = ('sim_prefix_hit_rate_tokens', 'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed',
-            'sim_ttft_p50_s', 'sim_ttft_p90_s', 'sim_over_live_ttft_p50',
-            'sim_plus_idle_ttft_p50_s', 'sim_plus_idle_over_live_ttft_p50',
-            'sim_plus_path_ttft_p50_s', 'sim_plus_path_over_live_ttft_p50',
-            'sim_replica_requests', 'sim_slowdown_mean', 'sim_machine_share', 'sim_rejected')
 
 
 def replay_study(config, workdir: str) -> dict:
@@ -626,7 +602,8 @@ def replay_study(config, workdir: str) -> dict:
     if row[0] not in live_rows:
       raise ConfigError(f'config.serve.routers row {row[0]!r} has no live figures in '
                         f'{s.replay_from}; it has {sorted(live_rows)}')
-    figures = {k: v for k, v in live_rows[row[0]].items() if k not in SIM_KEYS}
+    # the live figures alone: the earlier run's simulated ones (sim_*) are computed again
+    figures = {k: v for k, v in live_rows[row[0]].items() if not k.startswith('sim_')}
     figures.update(simulated_router(config, row, requests, device, figures))
     routers.append(figures)
   run_info.write_csv(os.path.join(workdir, 'routers.csv'), routers, ROUTER_COLUMNS)
