@@ -426,9 +426,12 @@ class TierCostRouter(Router):
     the others have queues takes the requests the router would have sent elsewhere. So with
     nobody waiting anywhere the score is the TTFT alone, and under overload a prefix recomputed
     away from its holder is charged for every request it delays."""
-    own = self._prompt_s(request, replica, tiers)
+    return self._score(replica, self._prompt_s(request, replica, tiers), mean_waiting)
+
+  def _score(self, replica: ReplicaState, own_s: float, mean_waiting: float) -> float:
+    """score_s from the prompt's own part (_prompt_s)."""
     return (replica.queued_prefill_tokens * self._per_token(replica) +
-            own * (1.0 + self.delay_weight * max(replica.num_waiting, mean_waiting)))
+            own_s * (1.0 + self.delay_weight * max(replica.num_waiting, mean_waiting)))
 
   def _per_token(self, replica: ReplicaState) -> float:
     """Its cost model's prefill rate; without one, prefill_s_per_token, else 1 (a unit: with
@@ -469,9 +472,7 @@ class TierCostRouter(Router):
       case = (id(r.cost), r.block_size, tuple(tiers))
       if case not in prompt_s:
         prompt_s[case] = self._prompt_s(request, r, tiers)
-      own = prompt_s[case]
-      return (r.queued_prefill_tokens * self._per_token(r) +
-              own * (1.0 + self.delay_weight * max(r.num_waiting, mean_waiting)))
+      return self._score(r, prompt_s[case], mean_waiting)
     times = [score(r) for r in replicas]
     least = min(times)
     return self._least([r for r, t in zip(replicas, times) if t <= least * (1 + TIE_TOLERANCE)],
