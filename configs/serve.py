@@ -67,13 +67,15 @@ def get_config(arg=None):
       sim_time_scale=1.0,  # the simulated replay's arrival times, multiplied by this
       # the simulated replicas share one machine, as the live ones share this one: this many
       # step at full speed at once (1: each step uses every core; 0: a machine each), so an
-      # iteration that starts while k replicas are busy takes k / sim_machine_share times as
-      # long (cluster/sim.py SimulatedCluster machine_share)
+      # iteration that starts while k replicas are busy takes k / share times as long
+      # (cluster/sim.py SimulatedCluster machine_share). sim_share_from picks each router
+      # row's share (experiments/serve.py machine_share): 'steps', the share at which the
+      # simulated replicas spend the iteration seconds the live ones measured during that
+      # row's replay; 'cpu', what the live replicas had of this machine's CPU (cores - what
+      # everything else used) / cores; 'fixed', sim_machine_share (also where a run did not
+      # measure what its mode needs)
+      sim_share_from='steps',
       sim_machine_share=1.0,
-      # True: each router row's share is what its live replicas had of this machine, (cores -
-      # the CPU everything else used during its replay) / cores (experiments/serve.py
-      # machine_share); sim_machine_share where that was not measured
-      sim_share_measured=True,
       # an earlier run's workdir: only the simulated replay again, against the live figures
       # and the calibrated device written there (experiments/serve.py replay_study); '' : a run
       replay_from=''))

@@ -39,14 +39,20 @@ simulated and their difference, TTFT p50 live and simulated and their ratio, and
 ratio with the serving path added to the simulated figure (idle_ttft_s or path_p50_s: the
 simulated cluster has no HTTP, proxy, ingress or replica call).
 
-The simulated replicas share one machine as the live ones do (serve.sim_machine_share; with
-serve.sim_share_measured, the default, each row's share is what its live replicas had of this
-machine: the CPU every other process took during its replay, `serving_cores`, read from /proc,
-left out).
+The simulated replicas share one machine as the live ones do (SimulatedCluster's
+machine_share), by serve.sim_share_from:
+  'steps'  (the default) the share at which the simulated replicas spend in their iterations
+           the seconds the live ones measured of their own iterations during the replay
+           (`replica_busy_s` against `sim_busy_s`; found by bisection over replays of the
+           simulated cluster): the live step's speed, whatever slowed it (the other serving
+           processes, the replicas' threads and actor calls, the machine's own drift)
+  'cpu'    the part of this machine the live replicas had: the CPU every other process took
+           during the replay, `serving_cores`, read from /proc, left out
+  'fixed'  serve.sim_machine_share
 
 `--config.serve.replay_from=DIR` runs the simulated half alone again, against the live figures
 and the calibrated device an earlier run wrote to DIR (no Ray, seconds): for changing the
-simulator (sim_machine_share, sim_time_scale, a router's kwargs) and comparing with the same
+simulator (sim_share_from, sim_machine_share, sim_time_scale, a router's kwargs) and comparing with the same
 live run (replay_study).
 
 Writes to WORKDIR:
@@ -95,13 +101,16 @@ ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
                   'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50',
                   'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
-                  'sim_machine_share')
+                  'replica_busy_s', 'sim_busy_s', 'sim_machine_share')
 COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
                    'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
                    'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
                    'sim_plus_idle_over_live_ttft_p50', 'path_p50_s', 'sim_plus_path_ttft_p50_s',
                    'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
-                   'sim_machine_share')
+                   'replica_busy_s', 'sim_busy_s', 'sim_machine_share')
+SHARE_FROM = ('steps', 'cpu', 'fixed')  # serve.sim_share_from (machine_share)
+# the bisection of sim_share_from='steps': shares in [lo, hi], halving the log range each time
+SHARE_RANGE, SHARE_STEPS = (0.05, 4.0), 9
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -138,6 +147,8 @@ def check(config) -> None:
       s.sim_machine_share, bool) and s.sim_machine_share >= 0):
     fail('serve.sim_machine_share', s.sim_machine_share,
          'a number >= 0 (0: a machine per simulated replica)')
+  if s.sim_share_from not in SHARE_FROM:
+    fail('serve.sim_share_from', s.sim_share_from, f'one of {SHARE_FROM}')
   if s.sim_hardware != CALIBRATE:
     from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
     try:
@@ -414,7 +425,7 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
     before = deployment.replica_summaries()  # (their compile seconds before the replay)
     pids = sorted({x.get('pid') for x in before.values() if x.get('pid') is not None})
     # the CPU the serving processes (proxy, ingress, controller, Ray, this client) take beside
-    # the replicas: what serve.sim_share_measured leaves the simulated replicas
+    # the replicas: what serve.sim_share_from='cpu' leaves the simulated replicas
     cpu_before = cpu_snapshot(pids) if len(pids) == s.replicas else None
     t0 = time.monotonic()
     rows = replay(deployment.url, requests, s.concurrency, s.request_timeout_s)
@@ -454,6 +465,10 @@ def live_router(config, typed, tokenizer, row, requests) -> tuple:
       'start_s': deployment.start_s, 'replay_s': replay_s,
       'serving_cores': (serving_cores(cpu_before, cpu_after, replay_s)
                         if cpu_before is not None else None),
+      # the seconds the replicas' engines spent in their iterations during the replay (what
+      # serve.sim_share_from='steps' matches)
+      'replica_busy_s': busy_s(summaries.values()) - busy_s(
+          before[uid] for uid in summaries if uid in before),
       'replica_requests': per_replica,
       # where the TTFT went: each stage's mean over the answered requests (means add up to the
       # mean TTFT; medians would not), and the replicas' compile seconds during the replay
@@ -481,36 +496,82 @@ def model_shape(config) -> sizing.ModelShape:
   return sizing.PRESETS['smollm2-135m']
 
 
-def machine_share(config, live: dict) -> float:
-  """The simulated replicas' machine share: serve.sim_machine_share, or with
-  serve.sim_share_measured the part of this machine the live replicas had, (cores -
-  serving_cores) / cores, serving_cores being the CPU everything else took during that
-  router's replay (at least 0.1; serve.sim_machine_share where it was not measured)."""
-  share = config.serve.sim_machine_share
-  if not config.serve.sim_share_measured:
-    return float(share)
-  cores, others = os.cpu_count() or 1, live.get('serving_cores')
-  if others is None:
-    return float(share)
-  return max(0.1, min(1.0, (cores - others) / cores))
+def busy_s(summaries) -> float:
+  """Seconds engines spent in their iterations (host and device), from their summaries
+  (Engine.summary: iterations, host_s_per_step, device_s_per_step)."""
+  return float(sum((x.get('iterations') or 0) * ((x.get('host_s_per_step') or 0) +
+                                                  (x.get('device_s_per_step') or 0))
+                   for x in summaries))
 
 
-def simulated_router(config, row, requests, device: SimDevice, live: dict) -> dict:
-  """The same requests on SimulatedCluster replicas of the live ones' engine config and pool,
-  on `device`, at most serve.concurrency in flight (the live client's connections), arrival
-  times multiplied by serve.sim_time_scale (1: the live run's own); set beside `live`, that
-  router's live figures."""
+def live_busy_s(live: dict) -> Optional[float]:
+  """The live replicas' iteration seconds during the replay (replica_busy_s; a run that did
+  not record it: their whole summaries', which add each replica's warm-up request and the
+  probes, a few short iterations)."""
+  if live.get('replica_busy_s') is not None:
+    return float(live['replica_busy_s'])
+  summaries = live.get('replica_summaries')
+  return busy_s(summaries.values()) if summaries else None
+
+
+def machine_share(config, live: dict, simulated_busy=None) -> float:
+  """The simulated replicas' machine share (serve.sim_share_from, module docstring):
+    'fixed'  serve.sim_machine_share
+    'cpu'    (cores - serving_cores) / cores, serving_cores being the CPU everything but the
+             replicas took during that router's replay (at least 0.1)
+    'steps'  the share s at which simulated_busy(s), the simulated replicas' iteration seconds
+             on the same requests, equals the live replicas' (live_busy_s), by bisection over
+             SHARE_RANGE (a slower shared machine stretches every simulated step, so the
+             seconds fall as s grows); an end of the range if the live figure lies beyond it
+  serve.sim_machine_share where the live run did not measure what the mode needs."""
+  s = config.serve
+  share = float(s.sim_machine_share)
+  if s.sim_share_from == 'cpu':
+    cores, others = os.cpu_count() or 1, live.get('serving_cores')
+    return share if others is None else max(0.1, min(1.0, (cores - others) / cores))
+  if s.sim_share_from == 'steps':
+    target = live_busy_s(live)
+    if not target or simulated_busy is None:
+      return share
+    lo, hi = (np.log(x) for x in SHARE_RANGE)
+    for _ in range(SHARE_STEPS):
+      mid = (lo + hi) / 2
+      if simulated_busy(float(np.exp(mid))) > target:
+        lo = mid  # the simulated steps are slower than live: more of the machine
+      else:
+        hi = mid
+    return float(np.exp((lo + hi) / 2))
+  return share
+
+
+def simulated_cluster(config, row, requests, device: SimDevice,
+                      share: float) -> SimulatedCluster:
+  """The requests replayed on SimulatedCluster replicas of the live ones' engine config and
+  pool, on `device`, at most serve.concurrency in flight, sharing the machine at `share` (0: a
+  machine each), arrival times multiplied by serve.sim_time_scale."""
   from pagedjax.sim import simulated_device  # pylint: disable=import-outside-toplevel
   typed = Config.from_configdict(config)
   engines = [simulated_device.simulated_engine(
       device.shape, device.hardware, typed, weight_dtype=device.weight_dtype,
       activation_dtype=device.activation_dtype) for _ in range(config.serve.replicas)]
-  share = machine_share(config, live)
   cluster = SimulatedCluster(engines, routers_lib.make_router(row[1], **dict(row[2])),
                              max_in_flight=config.serve.concurrency,
                              machine_share=share if share > 0 else None)
   scale = config.serve.sim_time_scale
   cluster.run([dataclasses.replace(r, arrival_time=r.arrival_time * scale) for r in requests])
+  return cluster
+
+
+def cluster_busy_s(cluster: SimulatedCluster) -> float:
+  return busy_s(r.engine.summary() for r in cluster.replicas)
+
+
+def simulated_router(config, row, requests, device: SimDevice, live: dict) -> dict:
+  """The same requests on the simulated cluster (simulated_cluster) at the machine share
+  machine_share gives, set beside `live`, that router's live figures."""
+  share = machine_share(config, live, lambda x: cluster_busy_s(
+      simulated_cluster(config, row, requests, device, x)))
+  cluster = simulated_cluster(config, row, requests, device, share)
   f = cluster.figures()
   hit, live_hit = f['prefix_hit_rate_tokens'], live.get('prefix_hit_rate_tokens')
   ttft, live_ttft, idle = f['ttft_p50_s'], live.get('ttft_p50_s'), live.get('idle_ttft_s')
@@ -530,7 +591,8 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_plus_path_over_live_ttft_p50': ratio(with_live_path, live_ttft),
           'sim_replica_requests': [r.routed for r in cluster.replicas],
           'sim_slowdown_mean': f['slowdown_mean'],
-          'sim_machine_share': share,
+          'replica_busy_s': live_busy_s(live), 'sim_busy_s': cluster_busy_s(cluster),
+          'sim_machine_share': share, 'sim_share_from': config.serve.sim_share_from,
           'sim_rejected': f['rejected_requests']}
 
 
@@ -568,8 +630,8 @@ def replay_study(config, workdir: str) -> dict:
   earlier run wrote to DIR (its summary.json) and on the device it calibrated there
   (DIR/hardware_profile.json), for each pagedjax router row of this config; no Ray, no live
   run. This config must give the same requests on the same replicas (REPLAY_SAME: a
-  ConfigError names the field that differs); the simulator's own settings (sim_machine_share,
-  sim_time_scale, the routers' kwargs) may change, which is what a replay is for. Writes
+  ConfigError names the field that differs); the simulator's own settings (sim_share_from,
+  sim_machine_share, sim_time_scale, the routers' kwargs) may change, which is what a replay is for. Writes
   routers.csv, table.md and summary.json (`replayed_from`) to workdir."""
   s = config.serve
   with open(os.path.join(s.replay_from, 'summary.json')) as f:
@@ -608,7 +670,7 @@ def replay_study(config, workdir: str) -> dict:
     routers.append(figures)
   run_info.write_csv(os.path.join(workdir, 'routers.csv'), routers, ROUTER_COLUMNS)
   table = (f'The simulated replay of {s.replay_from}\'s live run (live figures from there, '
-           f'simulated on {device.hardware.name}, sim_machine_share={s.sim_machine_share})\n\n'
+           f'simulated on {device.hardware.name}, sim_share_from={s.sim_share_from!r})\n\n'
            f'{run_info.markdown_table(routers, COMPARE_COLUMNS)}\n')
   cli.write_table(workdir, table)
   summary = {'replayed_from': os.path.abspath(s.replay_from), 'requests': len(requests),

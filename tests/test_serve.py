@@ -340,7 +340,9 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
                              ('serve.routers', (('x', 'no_such_router', {}),), 'no_such_router'),
                              ('serve.sim_hardware', 'tpu-v9', "serve.sim_hardware='tpu-v9'"),
                              ('serve.sim_machine_share', -1.0,
-                              'config.serve.sim_machine_share=-1.0 is not allowed')):
+                              'config.serve.sim_machine_share=-1.0 is not allowed'),
+                             ('serve.sim_share_from', 'live',
+                              "config.serve.sim_share_from='live' is not allowed: one of ('steps'")):
     bad = serve_config.get_config('tiny')
     section, name = field.split('.')
     bad[section][name] = value
@@ -396,23 +398,61 @@ def test_a_replay_reruns_the_simulated_half_against_an_earlier_runs_live_figures
 
 
 def test_the_measured_machine_share_is_what_the_serving_processes_left():
-  """serve.sim_share_measured: the simulated replicas get (cores - serving_cores) / cores of
+  """serve.sim_share_from='cpu': the simulated replicas get (cores - serving_cores) / cores of
   the machine, serving_cores being the machine's busy CPU less the replicas' own over the
-  replay; unmeasured rows keep serve.sim_machine_share."""
+  replay; 'fixed', and unmeasured rows, keep serve.sim_machine_share."""
   before = {'machine': 10.0, 'replicas': {11: 1.0, 12: 2.0}}
   after = {'machine': 16.0, 'replicas': {11: 2.5, 12: 3.0}}
   assert serve_study.serving_cores(before, after, 2.0) == pytest.approx(1.75)  # (6 - 2.5) / 2
   assert serve_study.serving_cores(before, {**after, 'replicas': {11: 2.5}}, 2.0) is None
   assert serve_study.serving_cores({**before, 'machine': None}, after, 2.0) is None
   config = serve_config.get_config('tiny')
-  config.serve.sim_share_measured = True
+  config.serve.sim_share_from = 'cpu'
   cores = os.cpu_count()
   assert serve_study.machine_share(config, {'serving_cores': cores / 4}) == pytest.approx(0.75)
   assert serve_study.machine_share(config, {'serving_cores': 10.0 * cores}) == 0.1
   assert serve_study.machine_share(config, {'serving_cores': None}) == 1.0
-  config.serve.sim_share_measured = False
+  config.serve.sim_share_from = 'fixed'
   config.serve.sim_machine_share = 0.5
   assert serve_study.machine_share(config, {'serving_cores': cores / 4}) == 0.5
   busy = cpu_time.machine_busy_s()
   assert busy is None or busy > 0
   assert cpu_time.process_cpu_s(os.getpid()) > 0
+def test_the_step_matched_share_gives_the_live_replicas_iteration_seconds(tmp_path):
+  """serve.sim_share_from='steps' (the default): the share at which the simulated replicas
+  spend the live replicas' iteration seconds, by bisection; the live seconds are the replay's
+  (replica_busy_s), or a saved run's whole replica summaries. On the simulated cluster itself:
+  the share found gives the live seconds back, and a slower live machine gets a smaller one."""
+  config = serve_config.get_config('tiny')
+  assert config.serve.sim_share_from == 'steps'
+  lo, hi = serve_study.SHARE_RANGE
+  # a stand-in: seconds falling as the share grows
+  assert serve_study.machine_share(config, {'replica_busy_s': 8.0}, lambda s: 4.0 / s) == (
+      pytest.approx(0.5, rel=0.02))
+  assert serve_study.machine_share(config, {'replica_busy_s': 1e-9}, lambda s: 4.0 / s) == (
+      pytest.approx(hi, rel=0.02))  # past the range: its end
+  assert serve_study.machine_share(config, {}, lambda s: 4.0 / s) == 1.0  # not measured
+  summaries = {'a': {'iterations': 10, 'host_s_per_step': 0.001, 'device_s_per_step': 0.009},
+               'b': {'iterations': 5, 'host_s_per_step': 0.0, 'device_s_per_step': 0.02}}
+  assert serve_study.live_busy_s({'replica_summaries': summaries}) == pytest.approx(0.2)
+  assert serve_study.live_busy_s({'replica_busy_s': 0.1, 'replica_summaries': summaries}) == 0.1
+  config.serve.replicas = 2
+  config.model.source = 'random'
+  from pagedjax.sim import hardware
+  typed = factory.typed(config)
+  engine = factory.build_engine(typed, serve_study.tokenizer_for(typed))
+  device = serve_study.SimDevice(hardware.get_hardware('h100-sxm'),
+                                 *serve_study.own_model(config, engine))
+  requests, _ = serve_study.make_requests(config, typed.model.random.vocab_size)
+  row = ('precise', 'precise', {})
+  at = lambda share: serve_study.cluster_busy_s(serve_study.simulated_cluster(
+      config, row, requests, device, share))
+  live = {'replica_busy_s': at(0.25)}
+  out = serve_study.simulated_router(config, row, requests, device, live)
+  assert out['sim_share_from'] == 'steps'
+  assert out['sim_busy_s'] == pytest.approx(live['replica_busy_s'], rel=0.1)
+  slower = serve_study.simulated_router(config, row, requests, device,
+                                        {'replica_busy_s': 2 * live['replica_busy_s']})
+  assert slower['sim_machine_share'] < out['sim_machine_share']
+
+
