@@ -76,6 +76,9 @@ def get_config(arg=None):
       # measure what its mode needs)
       sim_share_from='steps',
       sim_machine_share=1.0,
+      # the replay again at shares within this fraction of the one sim_share_from gave: the
+      # simulated hit rate's range over them (sim_hit_rate_lo / _hi, live_in_sim_band)
+      sim_share_band=0.1,
       # an earlier run's workdir: only the simulated replay again, against the live figures
       # and the calibrated device written there (experiments/serve.py replay_study); '' : a run
       replay_from=''))

@@ -49,11 +49,14 @@ machine_share), by serve.sim_share_from:
   'cpu'    the part of this machine the live replicas had: the CPU every other process took
            during the replay, `serving_cores`, read from /proc, left out
   'fixed'  serve.sim_machine_share
+With serve.sim_share_band b (0.1), the replay also runs at shares share * (1 + p b), p in
+BAND_POINTS: `sim_hit_rate_lo` / `_hi` are the hit rates' range over them, and
+`live_in_sim_band` says whether the live hit rate is within a point of that range.
 
 `--config.serve.replay_from=DIR` runs the simulated half alone again, against the live figures
 and the calibrated device an earlier run wrote to DIR (no Ray, seconds): for changing the
-simulator (sim_share_from, sim_machine_share, sim_time_scale, a router's kwargs) and comparing with the same
-live run (replay_study).
+simulator (sim_share_from, sim_machine_share, sim_time_scale, a router's kwargs) and comparing
+with the same live run (replay_study).
 
 Writes to WORKDIR:
   requests.csv   per router and request: replica, status, TTFT, latency, tokens, attempts,
@@ -98,12 +101,14 @@ ROUTER_COLUMNS = ('router', 'router_class', 'ok_requests', 'failed_requests',
                   'ttft_p99_s', 'latency_p50_s', 'latency_p90_s', 'imbalance_requests',
                   'same_tokens_as_single', 'keys_handed', 'idle_ttft_s', 'path_p50_s',
                   'start_s', 'replay_s', 'sim_prefix_hit_rate_tokens',
-                  'sim_hit_rate_minus_live', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
+                  'sim_hit_rate_minus_live', 'sim_hit_rate_lo', 'sim_hit_rate_hi',
+                  'live_in_sim_band', 'sim_prompt_tokens_computed', 'sim_ttft_p50_s',
                   'sim_ttft_p90_s', 'sim_over_live_ttft_p50', 'sim_plus_idle_over_live_ttft_p50',
                   'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
                   'replica_busy_s', 'sim_busy_s', 'sim_machine_share')
 COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_tokens',
-                   'sim_hit_rate_minus_live', 'ttft_p50_s', 'sim_ttft_p50_s',
+                   'sim_hit_rate_minus_live', 'sim_hit_rate_lo', 'sim_hit_rate_hi',
+                   'live_in_sim_band', 'ttft_p50_s', 'sim_ttft_p50_s',
                    'sim_over_live_ttft_p50', 'idle_ttft_s', 'sim_plus_idle_ttft_p50_s',
                    'sim_plus_idle_over_live_ttft_p50', 'path_p50_s', 'sim_plus_path_ttft_p50_s',
                    'sim_plus_path_over_live_ttft_p50', 'sim_slowdown_mean', 'serving_cores',
@@ -111,6 +116,7 @@ COMPARE_COLUMNS = ('router', 'prefix_hit_rate_tokens', 'sim_prefix_hit_rate_toke
 SHARE_FROM = ('steps', 'cpu', 'fixed')  # serve.sim_share_from (machine_share)
 # the bisection of sim_share_from='steps': shares in [lo, hi], halving the log range each time
 SHARE_RANGE, SHARE_STEPS = (0.05, 4.0), 9
+BAND_POINTS = (-1.0, -0.5, 0.5, 1.0)  # serve.sim_share_band: the shares share * (1 + p * band)
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -149,6 +155,9 @@ def check(config) -> None:
          'a number >= 0 (0: a machine per simulated replica)')
   if s.sim_share_from not in SHARE_FROM:
     fail('serve.sim_share_from', s.sim_share_from, f'one of {SHARE_FROM}')
+  if not (isinstance(s.sim_share_band, (int, float)) and not isinstance(s.sim_share_band, bool)
+          and 0 <= s.sim_share_band < 1):
+    fail('serve.sim_share_band', s.sim_share_band, 'a fraction in [0, 1) (0: no band)')
   if s.sim_hardware != CALIBRATE:
     from pagedjax.sim import hardware  # pylint: disable=import-outside-toplevel
     try:
@@ -574,6 +583,13 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
   cluster = simulated_cluster(config, row, requests, device, share)
   f = cluster.figures()
   hit, live_hit = f['prefix_hit_rate_tokens'], live.get('prefix_hit_rate_tokens')
+  # how far the hit rate moves when the share is a little off (serve.sim_share_band): where a
+  # pool is nearly full, whether a prefix is evicted turns on a few milliseconds
+  band = config.serve.sim_share_band
+  hits = [hit] + ([simulated_cluster(config, row, requests, device, share * (1 + p * band))
+                   .figures()['prefix_hit_rate_tokens'] for p in BAND_POINTS]
+                  if band and share > 0 else [])
+  hits = [h for h in hits if h is not None]
   ttft, live_ttft, idle = f['ttft_p50_s'], live.get('ttft_p50_s'), live.get('idle_ttft_s')
   # the serving path the simulated cluster has not, as the idle deployment measured it, and
   # as the replay's requests met it (path_p50_s)
@@ -582,6 +598,10 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
   with_live_path = ttft + path if ttft is not None and path is not None else None
   return {'sim_prefix_hit_rate_tokens': hit,
           'sim_hit_rate_minus_live': (hit - live_hit if None not in (hit, live_hit) else None),
+          'sim_hit_rate_lo': min(hits) if hits else None,
+          'sim_hit_rate_hi': max(hits) if hits else None,
+          'live_in_sim_band': (None if not hits or live_hit is None else
+                               min(hits) - 0.01 <= live_hit <= max(hits) + 0.01),
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
           'sim_ttft_p50_s': ttft, 'sim_ttft_p90_s': f['ttft_p90_s'],
           'sim_over_live_ttft_p50': ratio(ttft, live_ttft),

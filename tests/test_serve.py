@@ -341,6 +341,8 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
                              ('serve.sim_hardware', 'tpu-v9', "serve.sim_hardware='tpu-v9'"),
                              ('serve.sim_machine_share', -1.0,
                               'config.serve.sim_machine_share=-1.0 is not allowed'),
+                             ('serve.sim_share_band', 1.5,
+                              'config.serve.sim_share_band=1.5 is not allowed: a fraction'),
                              ('serve.sim_share_from', 'live',
                               "config.serve.sim_share_from='live' is not allowed: one of ('steps'")):
     bad = serve_config.get_config('tiny')
@@ -451,6 +453,8 @@ def test_the_step_matched_share_gives_the_live_replicas_iteration_seconds(tmp_pa
   out = serve_study.simulated_router(config, row, requests, device, live)
   assert out['sim_share_from'] == 'steps'
   assert out['sim_busy_s'] == pytest.approx(live['replica_busy_s'], rel=0.1)
+  assert out['sim_hit_rate_lo'] <= out['sim_prefix_hit_rate_tokens'] <= out['sim_hit_rate_hi']
+  assert out['live_in_sim_band'] is None  # no live hit rate given
   slower = serve_study.simulated_router(config, row, requests, device,
                                         {'replica_busy_s': 2 * live['replica_busy_s']})
   assert slower['sim_machine_share'] < out['sim_machine_share']
