@@ -372,9 +372,9 @@ class SimulatedCluster:
         if i < len(pending):  # every slot taken and nothing running: cannot happen
           raise RuntimeError(f'{len(pending) - i} requests left with no slot free')
         break
-      # a request may be queued for later (after its load from the store, or its dispatch
-      # delay): a replica waiting for one is not stepped past arrivals it could still take
-      when = lambda r: r.next_time()
+      # with a store, a request may be queued for after its load: a replica waiting for one
+      # is not stepped past arrivals it could still take
+      when = (lambda r: r.next_time()) if self.store is not None else (lambda r: r.engine.clock)
       first = min(busy, key=lambda r: (when(r), r.index)) if busy else None
       if next_arrival is not None and (first is None or next_arrival <= when(first)):
         if slots:
