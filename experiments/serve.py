@@ -51,7 +51,8 @@ machine_share), by serve.sim_share_from:
   'fixed'  serve.sim_machine_share
 With serve.sim_share_band b (0.1), the replay also runs at shares share * (1 + p b), p in
 BAND_POINTS: `sim_hit_rate_lo` / `_hi` are the hit rates' range over them, and
-`live_in_sim_band` says whether the live hit rate is within a point of that range.
+`live_in_sim_band` says whether the live hit rate is within a point of that range
+(BAND_TOLERANCE).
 
 `--config.serve.replay_from=DIR` runs the simulated half alone again, against the live figures
 and the calibrated device an earlier run wrote to DIR (no Ray, seconds): for changing the
@@ -117,6 +118,7 @@ SHARE_FROM = ('steps', 'cpu', 'fixed')  # serve.sim_share_from (machine_share)
 # the bisection of sim_share_from='steps': shares in [lo, hi], halving the log range each time
 SHARE_RANGE, SHARE_STEPS = (0.05, 4.0), 9
 BAND_POINTS = (-1.0, -0.5, 0.5, 1.0)  # serve.sim_share_band: the shares share * (1 + p * band)
+BAND_TOLERANCE = 0.01  # live_in_sim_band: the live hit rate within this of the band's range
 WORKLOADS = ('mooncake', 'shared_prefix')
 CALIBRATE = 'calibrate'  # serve.sim_hardware: fit this machine's cost model here
 IDLE_PROBES = 3  # short requests on the idle deployment before each replay (idle_ttft_s)
@@ -601,7 +603,8 @@ def simulated_router(config, row, requests, device: SimDevice, live: dict) -> di
           'sim_hit_rate_lo': min(hits) if hits else None,
           'sim_hit_rate_hi': max(hits) if hits else None,
           'live_in_sim_band': (None if not hits or live_hit is None else
-                               min(hits) - 0.01 <= live_hit <= max(hits) + 0.01),
+                               min(hits) - BAND_TOLERANCE <= live_hit <=
+                               max(hits) + BAND_TOLERANCE),
           'sim_prompt_tokens_computed': f['prompt_tokens_computed'],
           'sim_ttft_p50_s': ttft, 'sim_ttft_p90_s': f['ttft_p90_s'],
           'sim_over_live_ttft_p50': ratio(ttft, live_ttft),
@@ -651,8 +654,8 @@ def replay_study(config, workdir: str) -> dict:
   (DIR/hardware_profile.json), for each pagedjax router row of this config; no Ray, no live
   run. This config must give the same requests on the same replicas (REPLAY_SAME: a
   ConfigError names the field that differs); the simulator's own settings (sim_share_from,
-  sim_machine_share, sim_time_scale, the routers' kwargs) may change, which is what a replay is for. Writes
-  routers.csv, table.md and summary.json (`replayed_from`) to workdir."""
+  sim_machine_share, sim_time_scale, the routers' kwargs) may change, which is what a replay
+  is for. Writes routers.csv, table.md and summary.json (`replayed_from`) to workdir."""
   s = config.serve
   with open(os.path.join(s.replay_from, 'summary.json')) as f:
     saved = json.load(f)

@@ -344,7 +344,7 @@ def test_study_config_errors_are_named_and_requests_share_prefixes():
                              ('serve.sim_share_band', 1.5,
                               'config.serve.sim_share_band=1.5 is not allowed: a fraction'),
                              ('serve.sim_share_from', 'live',
-                              "config.serve.sim_share_from='live' is not allowed: one of ('steps'")):
+                              "config.serve.sim_share_from='live' is not allowed: one of")):
     bad = serve_config.get_config('tiny')
     section, name = field.split('.')
     bad[section][name] = value
