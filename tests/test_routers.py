@@ -222,6 +222,36 @@ def test_pending_routes_count_a_routed_prompt_until_the_index_shows_it():
     routers.make_router('tier_cost', pending_decisions=-1)
 
 
+def test_in_transit_adds_the_sends_a_replica_has_not_counted_yet():
+  """A live router's view of a replica: as published, plus what it sent there that the
+  replica's `received` count does not cover yet, as waiting requests and prompt tokens."""
+  transit = routers.InTransit()
+  published = dict(capacity_blocks=64, block_size=BS, num_waiting=1, queued_prefill_tokens=10,
+                   received=1)
+  for tokens in (10, 20, 30):
+    transit.sent('a', tokens)
+  state = transit.state(0, 'a', published)
+  assert (state.index, state.num_waiting, state.queued_prefill_tokens) == (0, 3, 60)
+  assert transit.state(0, 'a', {**published, 'received': 3}).num_waiting == 1  # all arrived
+  assert transit.state(0, 'a', {**published, 'received': 9}).num_waiting == 1  # other routers
+  no_count = {k: v for k, v in published.items() if k != 'received'}
+  assert transit.state(0, 'a', no_count).queued_prefill_tokens == 10  # as published
+  assert transit.state(1, 'b', {}).num_waiting == 0  # nothing sent, nothing published
+  # least loaded no longer sends a second request to the replica the first went to while
+  # neither replica's publication shows it (replica 1 published a little more load)
+  published = [dict(capacity_blocks=64, block_size=BS, received=0),
+               dict(capacity_blocks=64, block_size=BS, received=0, running_tokens=5)]
+  transit, router = routers.InTransit(), routers.make_router('least_loaded')
+  picks = []
+  for _ in range(2):
+    pick = router.route(request(range(8)), [transit.state(i, i, published[i]) for i in range(2)])
+    transit.sent(pick, 8)
+    picks.append(pick)
+  assert picks == [0, 1]
+  transit.forget(0)
+  assert transit.state(0, 0, published[0]).num_waiting == 0
+
+
 def test_registry():
   assert set(routers.ROUTERS.names()) >= {'random', 'round_robin', 'least_loaded', 'approx_prefix',
                                   'precise', 'tier_cost'}

@@ -148,6 +148,7 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
   prompt = list(range(100, 180))  # 5 full blocks of 16
   last = routers.RouteRequest(0, prompt).keys(BLOCK)[-1]
   replicas = set()
+  before = received(deployment)
   for _ in range(3):
     status, out = serve_lib.post(deployment.url, body(prompt, 2), TIMEOUT_S)
     assert status == 200, out
@@ -161,6 +162,8 @@ def test_a_repeated_prompt_goes_where_its_blocks_are(setup):
   (replica,) = replicas
   wait_for(lambda: figures(deployment, replica).get('keys_handed', 0) >= 3,
            'the engine was handed the keys of the 3 requests')
+  # the replicas' running counts of requests received (what the router's InTransit reads)
+  wait_for(lambda: received(deployment) == before + 3, 'the 3 requests counted as received')
 
 
 SHIPPED_ROUTER = """
@@ -212,6 +215,12 @@ def announced(deployment, replica: str, medium: str) -> set:
           for e in kv_events.batch_from_wire(wire).events
           if isinstance(e, kv_events.BlockStored) and (e.medium or kv_events.MEDIUM_GPU) == medium
           for key in e.block_hashes}
+
+
+def received(deployment) -> int:
+  """The requests the replicas say they received, summed (their published `received`)."""
+  _, _, states, _ = ray.get(deployment.bus.since.remote(0), timeout=TIMEOUT_S)
+  return sum(state['received'] for state in states.values())
 
 
 def on_disk(deployment, replica: str) -> set:

@@ -128,6 +128,54 @@ class ReplicaState:
     return self.queued_prefill_tokens + self.running_tokens
 
 
+class InTransit:
+  """What a live router sent that its replica's published load does not show yet.
+
+  A live router reads each replica's load as the replica last published it, which leaves out
+  the requests on their way there (the call to the replica, its inbox until the next engine
+  iteration, the publication's own trip back). Without them, requests that arrive close
+  together all see the same replica as least loaded and go to it. The simulated cluster's
+  router sees every request in its replica's state the moment it is routed. So the live router
+  records each request it sends here (`sent`), each replica publishes how many requests it has
+  received (`received`, a running count), and `state` adds the difference: the latest sends,
+  as waiting requests and their prompt tokens still to prefill. A replica that publishes no
+  count is taken as published; a count above this router's sends (other routers send there
+  too) adds nothing."""
+  KEEP = 1024  # sends remembered per replica (more than are ever in transit at once)
+
+  def __init__(self):
+    self._tokens: Dict[object, collections.deque] = {}  # replica -> prompt tokens per send
+    self._sent: Dict[object, int] = collections.Counter()  # replica -> sends in all
+
+  def sent(self, replica, prompt_tokens: int) -> None:
+    self._tokens.setdefault(replica, collections.deque(maxlen=self.KEEP)).append(
+        int(prompt_tokens))
+    self._sent[replica] += 1
+
+  def forget(self, replica) -> None:
+    self._tokens.pop(replica, None)
+    self._sent.pop(replica, None)
+
+  def in_transit(self, replica, received: Optional[int]) -> List[int]:
+    """Prompt tokens of each send `replica` had not received as of its count `received`."""
+    if received is None:
+      return []
+    sends = self._tokens.get(replica, ())
+    n = min(self._sent.get(replica, 0) - int(received), len(sends))
+    return list(sends)[len(sends) - n:] if n > 0 else []
+
+  def state(self, index: int, replica, published: dict) -> 'ReplicaState':
+    """ReplicaState from the replica's published fields (with its `received` count), the
+    requests still in transit added."""
+    fields = dict(published)
+    received = fields.pop('received', None)
+    state = ReplicaState(index, **fields)
+    transit = self.in_transit(replica, received)
+    state.num_waiting += len(transit)
+    state.queued_prefill_tokens += sum(transit)
+    return state
+
+
 class Router:
   """Base: `route` picks; `routed` is told the pick (routers that learn override it).
 

@@ -264,6 +264,7 @@ class EngineReplica:
     # requests whose chain keys came computed from the router (RoutedPrompt.route), so the
     # engine did not hash their prompts again
     self.keys_handed = 0
+    self.received = 0  # requests that came in (a running count the routers read: InTransit)
     self._last_state, self._dirty = 0.0, False
     self._wake, self._stop = threading.Event(), threading.Event()
     self._publish(force=True, summary=True)  # (its warm-up's figures: compile seconds)
@@ -304,6 +305,7 @@ class EngineReplica:
     several steps; and it took a hop through the loop's executor.)"""
     while self._inbox:
       request, waiter = self._inbox.popleft()
+      self._dirty = True  # published when idle again, even if refused (its `received` count)
       with self.engine.lock:
         try:
           rid = self.engine.submit(request.prompt_ids, request.params)
@@ -368,18 +370,24 @@ class EngineReplica:
     return out
 
   def state(self) -> dict:
-    """routers.ReplicaState's fields, as the engine has them now."""
+    """routers.ReplicaState's fields, as the engine has them now, the requests in the inbox
+    (not submitted yet) counted as waiting; and `received`, the requests that came in so far
+    (routers.InTransit)."""
     e = self.engine
     with e.lock:
+      received = self.received  # (before the inbox: a request that comes in between is counted
+      #  twice until the next publication, never missed)
+      inbox = [request.prompt_ids for request, _ in list(self._inbox)]
       waiting = list(e.scheduler.waiting) + [item[2] for item in e.intake.pending]
       running = list(e.running)
       return dict(
-          capacity_blocks=self.capacity, block_size=e.block_size, num_waiting=len(waiting),
-          num_running=len(running),
+          capacity_blocks=self.capacity, block_size=e.block_size,
+          num_waiting=len(waiting) + len(inbox), num_running=len(running),
           queued_prefill_tokens=(sum(len(s.prompt_ids) for s in waiting) +
+                                 sum(len(ids) for ids in inbox) +
                                  sum(max(0, len(s.prompt_ids) - s.num_cached) for s in running)),
           running_tokens=sum(s.num_cached for s in running),
-          kv_usage=e.allocator.num_used / self.capacity)
+          kv_usage=e.allocator.num_used / self.capacity, received=received)
 
   def _publish(self, force: bool = False, summary: bool = False) -> None:
     """The KV events since the last publication and the load figures, to the bus (a call
@@ -401,6 +409,7 @@ class EngineReplica:
     request.times['replica'] = time.time()
     waiter = _Waiter(asyncio.get_running_loop(), stream, request)
     self._inbox.append((request, waiter))
+    self.received += 1
     self._wake.set()
     return waiter
 
@@ -469,6 +478,7 @@ class PagedjaxRequestRouter(RequestRouter):
     self._cursor = 0
     self._fetching: Optional[asyncio.Future] = None  # the pull from the bus in flight
     self._states: Dict[str, dict] = {}
+    self._transit = routers_lib.InTransit()  # what was sent that the states do not show yet
     self._numbers: Dict[str, int] = {}  # replica unique id -> the int the policy sees
     self.decisions, self.pull_failures = 0, 0
 
@@ -511,7 +521,7 @@ class PagedjaxRequestRouter(RequestRouter):
 
   def _state(self, replica: RunningReplica) -> routers_lib.ReplicaState:
     uid = replica.replica_id.unique_id
-    state = routers_lib.ReplicaState(self._number(uid), **self._states.get(uid, {}))
+    state = self._transit.state(self._number(uid), uid, self._states.get(uid, {}))
     queued = self._replica_queue_len_cache.get(replica.replica_id)
     if queued is not None and uid not in self._states:
       state.num_waiting = queued  # Serve's own count until the replica has published
@@ -536,13 +546,16 @@ class PagedjaxRequestRouter(RequestRouter):
 
   def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                         result) -> None:
-    self.policy.routed(route_request(pending_request), self._number(replica_id.unique_id))
+    route = route_request(pending_request)
+    self._transit.sent(replica_id.unique_id, len(route.prompt_ids))
+    self.policy.routed(route, self._number(replica_id.unique_id))
 
   def _forget(self, replica_id: ReplicaID) -> None:
     uid = replica_id.unique_id
     if uid in self._numbers:
       self.kv_index.apply(self._numbers[uid], [kv_events.AllBlocksCleared(None)])
     self._states.pop(uid, None)
+    self._transit.forget(uid)
     if self._bus is not None:
       self._bus.forget.remote(uid)
 
