@@ -89,6 +89,26 @@ def test_approx_prefix_affinity_balance_and_forgetting():
   assert r.route(request(PROMPT), s) == 1  # only PROMPT's first 2 blocks are left there
 
 
+def test_approx_prefix_sends_cold_prompts_where_it_has_sent_least():
+  """cold='routed': a prompt no replica matches goes to the replica sent the fewest prompt
+  tokens so far (Ray's smallest prefix tree), however loaded it is now; 'load' (the default)
+  to the least loaded. A bad mode is named."""
+  s = states(3, num_running=[0, 3, 3])
+  by_routed = routers.make_router('approx_prefix', block_size=BS, cold='routed')
+  by_load = routers.make_router('approx_prefix', block_size=BS)
+  for r in (by_routed, by_load):
+    r.routed(request(range(100, 140)), 0)  # 40 tokens sent to replica 0
+    r.routed(request(range(200, 208)), 1)  # 8 to replica 1
+  cold = request(range(500, 540))
+  assert by_load.route(cold, s) == 0  # the least loaded
+  assert by_routed.route(cold, s) == 2  # nothing sent there yet
+  by_routed.routed(request(range(300, 316)), 2)  # 16 to replica 2: replica 1 has had least
+  assert by_routed.route(cold, s) == 1
+  assert by_routed.route(request(range(100, 140)), s) == 0  # a match still goes to its holder
+  with pytest.raises(ValueError, match="cold='tree' is not allowed: one of load, routed"):
+    routers.make_router('approx_prefix', cold='tree')
+
+
 def test_precise_prefers_held_prefix_then_device_tier_then_load():
   index = KVIndex()
   index.apply(0, stored(KEYS[:2]))

@@ -254,13 +254,24 @@ class LeastLoadedRouter(Router):
 class ApproxPrefixRouter(Router):
   """Prefix affinity from what this router routed (see the module docstring)."""
 
+  COLD = ('load', 'routed')
+
   def __init__(self, block_size: int = 64, capacity_blocks: int = 0, match_threshold: float = 0.5,
-               balance_abs: int = 32, balance_rel: float = 1.5, load: str = 'requests'):
+               balance_abs: int = 32, balance_rel: float = 1.5, load: str = 'requests',
+               cold: str = 'load'):
     """block_size: tokens per remembered block (the router's own, not the engines').
     capacity_blocks: remembered blocks per replica, LRU (0: the replica's KV capacity in these
-    blocks, from its ReplicaState)."""
+    blocks, from its ReplicaState). cold: where a prompt no replica matches goes: 'load', the
+    least loaded; 'routed', the replica this router has sent the fewest prompt tokens so far,
+    the least loaded of equals (Ray Serve's PrefixCacheAffinityRouter sends it to the replica
+    whose prefix tree, which only grows, is smallest: new prefixes go where traffic has been
+    lightest, so hot tenants' replicas take no new ones)."""
     if block_size < 1:
       raise ValueError(f'block_size={block_size} is not allowed: >= 1')
+    if cold not in self.COLD:
+      raise ValueError(f'cold={cold!r} is not allowed: one of {", ".join(self.COLD)}')
+    self.cold = cold
+    self._routed_tokens: Dict[int, int] = collections.Counter()  # replica -> tokens sent
     if not 0 <= match_threshold <= 1:
       raise ValueError(f'match_threshold={match_threshold} is not allowed: in [0, 1]')
     self.block_size, self.capacity_blocks = block_size, capacity_blocks
@@ -297,9 +308,13 @@ class ApproxPrefixRouter(Router):
     best = max(matched.values(), default=0)
     if keys and best / len(keys) >= self.match_threshold and best:
       return self._least([r for r in replicas if matched[r.index] == best], self._load)
+    if self.cold == 'routed':
+      fewest = min(self._routed_tokens[r.index] for r in replicas)
+      replicas = [r for r in replicas if self._routed_tokens[r.index] == fewest]
     return self._least(replicas, self._load)
 
   def routed(self, request, replica):
+    self._routed_tokens[replica] += len(request.prompt_ids)
     keys = self._keys(request)
     lru = self._lru[replica]
     for key in reversed(keys):  # the first block most recent: trimming takes tails first
