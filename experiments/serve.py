@@ -708,6 +708,8 @@ def study(config, workdir: str) -> dict:
     return replay_study(config, workdir)
   # Serve's driver-side INFO lines (each deployment's start, connect, stop) are not results.
   logging.getLogger('ray.serve').setLevel(logging.WARNING)
+  # with Ray's log format on the root logger, jax's INFO line about backends it did not find
+  logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)
   load_before = os.getloadavg()
   typed = factory.typed(config)
   tokenizer = tokenizer_for(typed)

@@ -52,6 +52,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -718,7 +719,8 @@ def _error(status: int, message: str):
 # ---- starting and stopping it all -------------------------------------------------------------
 
 RAY_INIT = dict(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False,
-                log_to_driver=False, _node_ip_address='127.0.0.1')
+                log_to_driver=False, _node_ip_address='127.0.0.1',
+                logging_level=logging.ERROR)  # not Ray's start-up INFO and WARNING lines
 
 
 @contextlib.contextmanager
