@@ -15,7 +15,8 @@ replica index. Some also keep what they learn: `routed(request, replica)` after 
                 the load is imbalanced (max - min requests above `balance_abs` and max above
                 `balance_rel` x min) the least loaded replica; else the replica whose remembered
                 prompts share the longest prefix, if it covers `match_threshold` of the prompt;
-                else the least loaded.
+                else the least loaded (`cold='routed'`: the replica sent the fewest prompt
+                tokens so far, as Ray's router picks its smallest prefix tree).
   precise       what the replicas report holding (index.KVIndex, kept from their KV events;
                 llm-d's precise prefix-cache scorer, Dynamo's KV router): score = w_prefix x
                 (tier-weighted fraction of the prompt's blocks held, as a prefix) + w_kv x (1 -
