@@ -429,6 +429,8 @@ def test_the_measured_machine_share_is_what_the_serving_processes_left():
   busy = cpu_time.machine_busy_s()
   assert busy is None or busy > 0
   assert cpu_time.process_cpu_s(os.getpid()) > 0
+
+
 def test_the_step_matched_share_gives_the_live_replicas_iteration_seconds(tmp_path):
   """serve.sim_share_from='steps' (the default): the share at which the simulated replicas
   spend the live replicas' iteration seconds, by bisection; the live seconds are the replay's
@@ -467,5 +469,3 @@ def test_the_step_matched_share_gives_the_live_replicas_iteration_seconds(tmp_pa
   slower = serve_study.simulated_router(config, row, requests, device,
                                         {'replica_busy_s': 2 * live['replica_busy_s']})
   assert slower['sim_machine_share'] < out['sim_machine_share']
-
-
